@@ -1,0 +1,251 @@
+"""The decoding loop: prefill (optionally chunked), then target steps that verify drafts.
+
+Plain decoding is the same loop with no drafter: every step drafts k = 0 tokens and the target
+emits one. Each step runs five phases, named as in the UI legend and the lessons:
+1 draft, 2 verify, 3 accept, 4 commit/rollback KV, 5 record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from engine.acceptance import Acceptance, TokenKind, greedy_accept, one_hot_probs, residual_distribution, speculative_sample
+from engine.drafters.base import Drafter
+from engine.errors import InputError
+from engine.models import LoadedModel
+from engine.sampling import SamplingConfig, choose, probs_from_logits
+from engine.trace import EmittedToken, PrefillChunk, Step, TopToken
+
+MAX_K = 16
+MAX_NEW_TOKENS = 4096
+TOP_N = 5  # alternatives kept per emitted token
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 128
+    k: int = 4  # draft length (the papers' gamma); the starting length when adaptive
+    adaptive: bool = False  # grow k by 2 after a fully accepted step, shrink by 1 otherwise
+    prefill_chunk: int = 0  # prefill the prompt in chunks of this many tokens; 0: one forward
+    sampling: SamplingConfig = SamplingConfig()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InputError(f"max new tokens must be in 1..{MAX_NEW_TOKENS} (got {self.max_new_tokens})")
+        if not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise InputError(f"k (draft length) must be in 1..{MAX_K} (got {self.k})")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise InputError(f"prefill chunk must be >= 1 tokens, or 0 for one forward (got {self.prefill_chunk})")
+
+
+@dataclass(frozen=True)
+class Finished:
+    stop_reason: str  # "eos", "max_new_tokens" or "stopped"
+
+
+Event = PrefillChunk | Step | Finished
+
+
+def next_k(k: int, accepted: int, drafted: int) -> int:
+    """Adaptive draft length (transformers' heuristic): +2 after all drafts were accepted,
+    -1 otherwise, within 1..MAX_K.
+
+    >>> next_k(4, 4, 4), next_k(4, 2, 4), next_k(1, 0, 1), next_k(16, 16, 16)
+    (6, 3, 1, 16)
+    """
+    if drafted == 0:
+        return k
+    return min(MAX_K, k + 2) if accepted == drafted else max(1, k - 1)
+
+
+def check_prompt(target: LoadedModel, prompt_ids: list[int], cfg: DecodeConfig) -> None:
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    if len(prompt_ids) + 1 > target.max_context:
+        raise InputError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context is {target.max_context}"
+        )
+    if cfg.prefill_chunk > target.max_context:
+        raise InputError(f"prefill chunk {cfg.prefill_chunk} is above the model's context {target.max_context}")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def prefill(
+    target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, t0: float
+) -> Iterator[PrefillChunk | torch.Tensor]:
+    """Run the prompt through the target in chunks; yields a PrefillChunk per forward, then the
+    logits (V,) for the first output token."""
+    size = chunk or len(prompt_ids)
+    ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
+    logits = None
+    for index, start in enumerate(range(0, len(prompt_ids), size)):
+        end = min(start + size, len(prompt_ids))
+        begin = time.perf_counter()
+        out = target.model(input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
+        _sync(target.device)
+        logits = out.logits[0, -1]  # (V,)
+        yield PrefillChunk(index, start, end, begin - t0, time.perf_counter() - begin)
+    yield logits
+
+
+def _top(target: LoadedModel, probs: torch.Tensor, n: int = TOP_N) -> tuple[TopToken, ...]:
+    values, ids = torch.topk(probs, n)
+    return tuple(TopToken(int(i), target.token_text(int(i)), float(v)) for v, i in zip(values.tolist(), ids.tolist()))
+
+
+def _emitted(target, tokens, kinds, probs_rows) -> tuple[EmittedToken, ...]:
+    return tuple(
+        EmittedToken(tok, target.token_text(tok), kind, float(row[tok]), _top(target, row))
+        for tok, kind, row in zip(tokens, kinds, probs_rows)
+    )
+
+
+def _truncate(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int], bool]:
+    """Cut emitted tokens at the first EOS (kept) and at the token budget."""
+    for i, tok in enumerate(tokens[:budget]):
+        if tok in eos:
+            return tokens[: i + 1], True
+    return tokens[:budget], False
+
+
+def generate(
+    target: LoadedModel,
+    prompt_ids: list[int],
+    cfg: DecodeConfig,
+    drafter: Drafter | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[Event]:
+    """Decode from prompt_ids; yields PrefillChunk, then Step records, then Finished.
+
+    With drafter=None this is plain decoding (one token per target step); greedy output equals
+    transformers' generate(do_sample=False). With a drafter, greedy output is the same tokens
+    and sampled output has the target's distribution.
+    """
+    check_prompt(target, prompt_ids, cfg)
+    sampling = cfg.sampling
+    t0 = time.perf_counter()
+    target_rng = torch.Generator().manual_seed(sampling.seed)  # accept and sample draws
+    draft_rng = torch.Generator().manual_seed(sampling.seed + 1)  # the drafter's own draws
+    eos = target.eos_token_ids
+    cache = DynamicCache()
+    logits = None
+    for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, t0):
+        if isinstance(item, PrefillChunk):
+            yield item
+        else:
+            logits = item
+    probs = probs_from_logits(logits, sampling)
+    u = float(torch.rand((), generator=target_rng))
+    first = choose(probs, logits, sampling, u)
+    now = time.perf_counter() - t0
+    yield Step(
+        index=0, drafter="prefill", k=0, draft_token_ids=(), draft_texts=(), draft_probs=(),
+        target_probs=(), accept_probs=(), accept_uniforms=(),
+        sample_uniform=None if sampling.greedy else u, accepted=0,
+        emitted=_emitted(target, [first], [TokenKind.BONUS], [probs]), residual_top=(), draft_top=(),
+        kv_len_before=0, kv_len_after=len(prompt_ids), draft_s=0.0, verify_s=now, end_s=now,
+    )
+    context = list(prompt_ids) + [first]
+    produced = 1
+    if first in eos or produced >= cfg.max_new_tokens:
+        yield Finished("eos" if first in eos else "max_new_tokens")
+        return
+    k = cfg.k
+    drafter_name = drafter.name if drafter else "none"
+    step_index = 1
+    while True:
+        if should_stop():
+            yield Finished("stopped")
+            return
+        kv_before = cache.get_seq_length()  # (== len(context) - 1: the last token is not cached)
+        budget = cfg.max_new_tokens - produced
+        room = target.max_context - len(context)
+        if room <= 0:
+            yield Finished("max_new_tokens")
+            return
+        # never draft past the token budget or the context: a step emits drafts + 1
+        k_step = max(0, min(k, budget - 1, room - 1)) if drafter else 0
+
+        # 1 draft
+        begin = time.perf_counter()
+        proposal = drafter.propose(context, k_step, sampling, draft_rng) if k_step else None
+        draft_ids = proposal.token_ids[:k_step] if proposal is not None else torch.zeros(0, dtype=torch.long)
+        _sync(target.device)
+        draft_s = time.perf_counter() - begin
+        drafted = int(draft_ids.shape[0])
+
+        # 2 verify: one target forward over [last token, drafts...]
+        begin = time.perf_counter()
+        verify_ids = torch.tensor([[context[-1]] + draft_ids.tolist()], device=target.device)  # (1, drafted+1)
+        with torch.inference_mode():
+            out = target.model(input_ids=verify_ids, cache=cache, use_cache=True)
+        target_logits = out.logits[0].float()  # (drafted+1, V)
+        target_probs = probs_from_logits(target_logits, sampling)  # (drafted+1, V)
+
+        # 3 accept
+        if drafted and proposal.probs is not None:
+            draft_probs = proposal.probs[:drafted].to(target_probs.device)
+        else:
+            draft_probs = one_hot_probs(draft_ids, target_probs.shape[-1]).to(target_probs.device)
+        draws = torch.rand(drafted + 1, generator=target_rng)
+        if sampling.greedy:
+            result: Acceptance = greedy_accept(draft_ids.to(target_logits.device), target_logits)
+        else:
+            result = speculative_sample(draft_ids, draft_probs, target_probs, draws[:drafted], float(draws[-1]))
+        tokens = draft_ids[: result.accepted].tolist() + [result.next_token]
+        tokens, hit_eos = _truncate(tokens, eos, budget)
+
+        # 4 commit/rollback KV: keep the last token and the accepted drafts
+        if drafted > result.accepted:
+            cache.crop(result.accepted - drafted)
+        _sync(target.device)
+        verify_s = time.perf_counter() - begin
+
+        # 5 record
+        kinds = result.kinds()[: len(tokens)]
+        residual = ()
+        if result.rejected_at is not None and not sampling.greedy:
+            i = result.rejected_at
+            residual = _top(target, residual_distribution(target_probs[i], draft_probs[i]), 10)
+        draft_list = draft_ids.tolist()
+        yield Step(
+            index=step_index,
+            drafter=drafter_name,
+            k=drafted,
+            draft_token_ids=tuple(draft_list),
+            draft_texts=tuple(target.token_text(t) for t in draft_list),
+            draft_probs=tuple(float(draft_probs[i, t]) for i, t in enumerate(draft_list)),
+            target_probs=tuple(float(target_probs[i, t]) for i, t in enumerate(draft_list)),
+            accept_probs=result.accept_probs,
+            accept_uniforms=() if sampling.greedy else tuple(draws[: len(result.accept_probs)].tolist()),
+            sample_uniform=None if sampling.greedy else float(draws[-1]),
+            accepted=result.accepted,
+            emitted=_emitted(target, tokens, kinds, target_probs),
+            residual_top=residual,
+            draft_top=tuple(_top(target, draft_probs[i], 3) for i in range(drafted)) if proposal and proposal.probs is not None else (),
+            kv_len_before=kv_before,
+            kv_len_after=cache.get_seq_length(),
+            draft_s=draft_s,
+            verify_s=verify_s,
+            end_s=time.perf_counter() - t0,
+        )
+        context.extend(tokens)
+        produced += len(tokens)
+        if drafter is not None:
+            drafter.observe(context, result.accepted)
+            if cfg.adaptive:
+                k = next_k(k, result.accepted, drafted)
+        step_index += 1
+        if hit_eos or produced >= cfg.max_new_tokens:
+            yield Finished("eos" if hit_eos else "max_new_tokens")
+            return

