@@ -82,20 +82,21 @@ def _sync(device: str) -> None:
 @torch.inference_mode()
 def prefill(
     target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, t0: float
-) -> Iterator[PrefillChunk | torch.Tensor]:
+) -> Iterator[PrefillChunk | tuple[torch.Tensor, torch.Tensor]]:
     """Run the prompt through the target in chunks; yields a PrefillChunk per forward, then the
-    logits (V,) for the first output token."""
+    logits (V,) for the first output token and the final hidden state (H,) that gave them."""
     size = chunk or len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
     logits = None
     for index, start in enumerate(range(0, len(prompt_ids), size)):
         end = min(start + size, len(prompt_ids))
         begin = time.perf_counter()
-        out = target.model(input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
+        out = target.model(
+            input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True
+        )
         _sync(target.device)
-        logits = out.logits[0, -1]  # (V,)
         yield PrefillChunk(index, start, end, begin - t0, time.perf_counter() - begin)
-    yield logits
+    yield out.logits[0, -1], out.hidden_states[-1][0, -1]  # (V,), (H,)
 
 
 def _top(target: LoadedModel, probs: torch.Tensor, n: int = TOP_N) -> tuple[TopToken, ...]:
@@ -138,12 +139,11 @@ def generate(
     draft_rng = torch.Generator().manual_seed(sampling.seed + 1)  # the drafter's own draws
     eos = target.eos_token_ids
     cache = DynamicCache()
-    logits = None
     for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, t0):
         if isinstance(item, PrefillChunk):
             yield item
         else:
-            logits = item
+            logits, hidden = item
     probs = probs_from_logits(logits, sampling)
     u = float(torch.rand((), generator=target_rng))
     first = choose(probs, logits, sampling, u)
@@ -160,6 +160,8 @@ def generate(
     if first in eos or produced >= cfg.max_new_tokens:
         yield Finished("eos" if first in eos else "max_new_tokens")
         return
+    if drafter is not None:
+        drafter.observe(context, 0, hidden)
     k = cfg.k
     drafter_name = drafter.name if drafter else "none"
     step_index = 1
@@ -188,7 +190,7 @@ def generate(
         begin = time.perf_counter()
         verify_ids = torch.tensor([[context[-1]] + draft_ids.tolist()], device=target.device)  # (1, drafted+1)
         with torch.inference_mode():
-            out = target.model(input_ids=verify_ids, cache=cache, use_cache=True)
+            out = target.model(input_ids=verify_ids, cache=cache, use_cache=True, output_hidden_states=True)
         target_logits = out.logits[0].float()  # (drafted+1, V)
         target_probs = probs_from_logits(target_logits, sampling)  # (drafted+1, V)
 
@@ -242,7 +244,7 @@ def generate(
         context.extend(tokens)
         produced += len(tokens)
         if drafter is not None:
-            drafter.observe(context, result.accepted)
+            drafter.observe(context, result.accepted, out.hidden_states[-1][0, result.accepted])
             if cfg.adaptive:
                 k = next_k(k, result.accepted, drafted)
         step_index += 1

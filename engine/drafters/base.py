@@ -29,8 +29,10 @@ class Drafter(Protocol):
         """Draft up to k tokens continuing `context` (prompt + output so far)."""
         ...
 
-    def observe(self, context: list[int], accepted: int) -> None:
-        """Told after each step: the new context and how many drafts were kept (may adapt)."""
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
+        """Told after the prefill (accepted = 0) and after each step: the new context, how many
+        drafts were kept, and the target's final hidden state (H,) at the position whose logits
+        chose the last token of context (MTP heads draft from it; others may ignore it)."""
         ...
 
 

@@ -32,7 +32,7 @@ class DraftModelDrafter:
         ids, probs = self.lm.draft(context, k, sampling, rng)
         return DraftProposal(ids, probs)
 
-    def observe(self, context: list[int], accepted: int) -> None:
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         """Nothing to do: the next propose() crops the cache to what the target kept."""
 
 

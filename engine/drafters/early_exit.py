@@ -51,7 +51,7 @@ class EarlyExitDrafter:
         ids, probs = self.lm.draft(context, k, sampling, rng)
         return DraftProposal(ids, probs, {"exit_layer": self.exit_layer})
 
-    def observe(self, context: list[int], accepted: int) -> None:
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         """Nothing to do: the next propose() crops the cache to what the target kept."""
 
 

@@ -52,7 +52,7 @@ class PromptLookupDrafter:
         ids = find_candidates(context, k, self.ngram_max, self.ngram_min)
         return DraftProposal(torch.tensor(ids, dtype=torch.long), None)
 
-    def observe(self, context: list[int], accepted: int) -> None:
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         """Stateless: the context is searched afresh each step."""
 
 
