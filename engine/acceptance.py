@@ -119,3 +119,39 @@ def speculative_sample(
             recovered = sample(residual_distribution(target_probs[i], draft_probs[i]), sample_uniform)
             return Acceptance(i, recovered, tuple(accept_probs), i)
     return Acceptance(k, sample(target_probs[k], sample_uniform), tuple(accept_probs), None)
+
+
+class AcceptRule(str, Enum):
+    EXACT = "exact"  # greedy match, or Leviathan et al.'s rule when sampling
+    TYPICAL = "typical"  # LOSSY teaching variant: Medusa's typical acceptance
+
+
+def typical_accept(
+    draft_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    sample_uniform: float,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> Acceptance:
+    """LOSSY: typical acceptance (Cai et al. 2024, Medusa, section 2.3.1).
+
+    Keeps draft x_i while target_probs[i, x_i] > min(epsilon, delta * exp(-H(target_probs[i]))),
+    then samples the next token from target_probs (not the residual). It accepts more drafts
+    than the exact rule but the output no longer has the target's distribution; it exists to
+    show that, and the quality gate must catch it.
+
+    >>> a = typical_accept(torch.tensor([1]), torch.tensor([[0.5, 0.3, 0.2], [0.0, 1.0, 0.0]]), 0.5)
+    >>> a.accepted, a.next_token
+    (1, 1)
+    """
+    k = draft_ids.shape[0]
+    accept_probs: list[float] = []
+    for i in range(k):
+        row = target_probs[i]
+        entropy = float(-(row * torch.log(row.clamp_min(1e-30))).sum())
+        threshold = min(epsilon, delta * float(torch.exp(torch.tensor(-entropy))))
+        ok = float(row[int(draft_ids[i])]) > threshold
+        accept_probs.append(1.0 if ok else 0.0)
+        if not ok:
+            return Acceptance(i, sample(row, sample_uniform), tuple(accept_probs), i)
+    return Acceptance(k, sample(target_probs[k], sample_uniform), tuple(accept_probs), None)

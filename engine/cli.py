@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import sys
+from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig
 from engine.drafters import DrafterSpec, drafter_names
 from engine.errors import InputError
@@ -44,6 +45,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--exit-layer", type=int, default=0, help="early-exit layers (0 = a quarter)")
     p.add_argument("--tree", default=None, help="mtp tree shape (default: chain)")
+    p.add_argument(
+        "--accept", choices=[r.value for r in AcceptRule], default=AcceptRule.EXACT.value,
+        help="acceptance rule: exact (default) or typical (LOSSY, for teaching)",
+    )
 
 
 def drafter_from_args(args: argparse.Namespace) -> DrafterSpec:
@@ -72,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raw=args.raw,
         decode=DecodeConfig(
             max_new_tokens=args.max_new_tokens, k=args.k, adaptive=args.adaptive,
-            prefill_chunk=args.prefill_chunk, sampling=sampling_from_args(args),
+            prefill_chunk=args.prefill_chunk, sampling=sampling_from_args(args), rule=AcceptRule(args.accept),
         ),
         drafter=drafter_from_args(args),
     )
@@ -88,9 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result, ensure_ascii=False))
         return 0
     m = result["metrics"]
-    extra = ""
+    extra = " [LOSSY acceptance: output distribution differs from the target's]" if trace.info.lossy else ""
     if m["draft_acceptance_rate"] is not None:
-        extra = f", acceptance {m['draft_acceptance_rate']:.2f}, {m['mean_acceptance_length']:.2f} tokens/step"
+        extra += f", acceptance {m['draft_acceptance_rate']:.2f}, {m['mean_acceptance_length']:.2f} tokens/step"
     print(
         f"\n--\n{m['output_tokens']} tokens in {m['target_steps']} target steps, {m['tokens_per_s']:.1f} tokens/s, "
         f"TTFT {m['ttft_ms']:.0f} ms, ITL p50 {_fmt(m['itl_ms_p50'])} ms{extra} ({trace.stop_reason})",

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.acceptance import Acceptance, TokenKind, greedy_accept, one_hot_probs, residual_distribution, speculative_sample
+from engine.acceptance import (
+    Acceptance,
+    AcceptRule,
+    TokenKind,
+    greedy_accept,
+    one_hot_probs,
+    residual_distribution,
+    speculative_sample,
+    typical_accept,
+)
 from engine.drafters.base import Drafter
 from engine.errors import InputError
 from engine.models import LoadedModel
@@ -33,6 +42,7 @@ class DecodeConfig:
     adaptive: bool = False  # grow k by 2 after a fully accepted step, shrink by 1 otherwise
     prefill_chunk: int = 0  # prefill the prompt in chunks of this many tokens; 0: one forward
     sampling: SamplingConfig = SamplingConfig()
+    rule: AcceptRule = AcceptRule.EXACT  # TYPICAL is lossy (teaching only)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
@@ -97,6 +107,43 @@ def prefill(
         _sync(target.device)
         yield PrefillChunk(index, start, end, begin - t0, time.perf_counter() - begin)
     yield out.logits[0, -1], out.hidden_states[-1][0, -1]  # (V,), (H,)
+
+
+@torch.inference_mode()
+def verify(
+    target: LoadedModel, cache: DynamicCache, last_token: int, draft_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: one target forward over [last token, drafts...] appended to the cache.
+
+    Returns float32 logits (n, V) and final hidden states (n, H), n = drafts + 1: row i scores
+    the token after the context plus the first i drafts."""
+    ids = torch.tensor([[last_token] + draft_ids.tolist()], device=target.device)  # (1, n)
+    out = target.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    return out.logits[0].float(), out.hidden_states[-1][0]
+
+
+def accept(
+    cfg: DecodeConfig,
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    draws: torch.Tensor,
+) -> Acceptance:
+    """Phase 3: the acceptance rule of this run; draws (k+1,) are the uniforms (the last one
+    samples the recovered or bonus token)."""
+    if cfg.rule is AcceptRule.TYPICAL:
+        return typical_accept(draft_ids, target_probs, float(draws[-1]))
+    if cfg.sampling.greedy:
+        return greedy_accept(draft_ids, target_logits)
+    return speculative_sample(draft_ids, draft_probs, target_probs, draws[:-1], float(draws[-1]))
+
+
+def rollback(cache: DynamicCache, drafted: int, accepted: int) -> None:
+    """Phase 4: drop the KV entries of rejected drafts; the cache then holds the context up to
+    (not including) the token the step emitted last."""
+    if drafted > accepted:
+        cache.crop(accepted - drafted)
 
 
 def _top(target: LoadedModel, probs: torch.Tensor, n: int = TOP_N) -> tuple[TopToken, ...]:
@@ -188,10 +235,7 @@ def generate(
 
         # 2 verify: one target forward over [last token, drafts...]
         begin = time.perf_counter()
-        verify_ids = torch.tensor([[context[-1]] + draft_ids.tolist()], device=target.device)  # (1, drafted+1)
-        with torch.inference_mode():
-            out = target.model(input_ids=verify_ids, cache=cache, use_cache=True, output_hidden_states=True)
-        target_logits = out.logits[0].float()  # (drafted+1, V)
+        target_logits, hidden = verify(target, cache, context[-1], draft_ids)  # (drafted+1, V), (drafted+1, H)
         target_probs = probs_from_logits(target_logits, sampling)  # (drafted+1, V)
 
         # 3 accept
@@ -200,16 +244,12 @@ def generate(
         else:
             draft_probs = one_hot_probs(draft_ids, target_probs.shape[-1]).to(target_probs.device)
         draws = torch.rand(drafted + 1, generator=target_rng)
-        if sampling.greedy:
-            result: Acceptance = greedy_accept(draft_ids.to(target_logits.device), target_logits)
-        else:
-            result = speculative_sample(draft_ids, draft_probs, target_probs, draws[:drafted], float(draws[-1]))
+        result = accept(cfg, draft_ids.to(target_probs.device), draft_probs, target_logits, target_probs, draws)
         tokens = draft_ids[: result.accepted].tolist() + [result.next_token]
         tokens, hit_eos = _truncate(tokens, eos, budget)
 
         # 4 commit/rollback KV: keep the last token and the accepted drafts
-        if drafted > result.accepted:
-            cache.crop(result.accepted - drafted)
+        rollback(cache, drafted, result.accepted)
         _sync(target.device)
         verify_s = time.perf_counter() - begin
 
@@ -244,7 +284,7 @@ def generate(
         context.extend(tokens)
         produced += len(tokens)
         if drafter is not None:
-            drafter.observe(context, result.accepted, out.hidden_states[-1][0, result.accepted])
+            drafter.observe(context, result.accepted, hidden[result.accepted])
             if cfg.adaptive:
                 k = next_k(k, result.accepted, drafted)
         step_index += 1

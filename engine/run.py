@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig, Event, Finished, generate
 from engine.drafters import DrafterSpec, build_drafter
 from engine.errors import InputError
@@ -63,7 +64,7 @@ def prepare(request: RunRequest) -> Prepared:
         dtype=str(target.dtype).removeprefix("torch."),
         prompt_text=request.prompt,
         prompt_token_ids=tuple(prompt_ids),
-        lossy=bool(getattr(drafter, "lossy", False)),
+        lossy=cfg.rule is not AcceptRule.EXACT,
     )
     return Prepared(request, target, prompt_ids, drafter, info)
 
