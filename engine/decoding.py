@@ -43,6 +43,7 @@ class DecodeConfig:
     prefill_chunk: int = 0  # prefill the prompt in chunks of this many tokens; 0: one forward
     sampling: SamplingConfig = SamplingConfig()
     rule: AcceptRule = AcceptRule.EXACT  # TYPICAL is lossy (teaching only)
+    ignore_eos: bool = False  # run to max_new_tokens (benchmarks, statistical tests)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
@@ -184,7 +185,7 @@ def generate(
     t0 = time.perf_counter()
     target_rng = torch.Generator().manual_seed(sampling.seed)  # accept and sample draws
     draft_rng = torch.Generator().manual_seed(sampling.seed + 1)  # the drafter's own draws
-    eos = target.eos_token_ids
+    eos = frozenset() if cfg.ignore_eos else target.eos_token_ids
     cache = DynamicCache()
     for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, t0):
         if isinstance(item, PrefillChunk):
