@@ -10,6 +10,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -23,6 +24,7 @@ from engine.errors import InputError
 
 PRESETS_FILE = Path(__file__).with_name("presets.yaml")
 GGUF_PREFIX = "gguf:"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name, not a path
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def resolve_local(spec: str) -> Path:
     if os.path.isdir(spec):
         return Path(spec)
     allow_any = os.environ.get("SPECLAB_ALLOW_ANY_MODEL") == "1"
-    if spec not in allowed_hub_ids() and not allow_any:
+    if not HUB_ID.fullmatch(spec) or (spec not in allowed_hub_ids() and not allow_any):
         raise InputError(
             f"unknown model {spec!r}: use a preset ({', '.join(presets())}), a local folder, "
             "or an allowed hub id"
@@ -186,7 +188,9 @@ _loaded: dict[tuple[str, str, str], LoadedModel] = {}
 
 def _load_folder(folder: Path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # keeps stderr to one line per message
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
     return model.eval().requires_grad_(False), tokenizer

@@ -1,0 +1,124 @@
+"""Self-distillation data: the target answers the prompt set, and we keep what the drafters learn
+from, once, in a cache file (training reruns never regenerate).
+
+Per answered prompt: the token ids (prompt + response), and at every response position j the
+target's final hidden state (H,) that chose response token j, plus the target's top-K logits
+there (the draft model's KL target). Generation is batched with left padding because plain
+decoding is slow on a small CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.models import LoadedModel, cache_root
+from engine.train.prompts import PROMPTS_FILE, read_prompts
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    max_new_tokens: int = 128  # response length cap per prompt
+    batch_size: int = 24  # prompts answered together (left padded)
+    top_logits: int = 32  # target logits kept per position for the draft model's KL
+    limit: int = 0  # answer only the first N prompts (0: all); smoke tests use a few
+
+
+@dataclass
+class Example:
+    prompt_id: int
+    category: str
+    split: str  # "train" or "heldout"
+    ids: torch.Tensor  # (T,) prompt + response token ids
+    prompt_len: int
+    hidden: torch.Tensor  # (R, H) fp16: row j is the final hidden state that chose response token j
+    top_ids: torch.Tensor  # (R, K) the target's top-K tokens there
+    top_logits: torch.Tensor  # (R, K) fp16 and their logits
+
+
+@dataclass
+class Dataset:
+    examples: list[Example]
+    info: dict  # how it was made: model, prompts file, settings, timings
+
+    def split(self, name: str) -> list[Example]:
+        return [e for e in self.examples if e.split == name]
+
+    def tokens(self, name: str) -> int:
+        return sum(e.hidden.shape[0] for e in self.split(name))
+
+
+def _cache_file(target: LoadedModel, prompts_file: Path, cfg: DataConfig) -> Path:
+    key = json.dumps([target.spec, str(target.dtype), prompts_file.read_text(encoding="utf-8"), asdict(cfg)])
+    return cache_root() / "train" / f"distill-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def _pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # (B, T)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (B, T)
+    return ids, mask
+
+
+@torch.inference_mode()
+def _answer_batch(target: LoadedModel, batch: list[dict], cfg: DataConfig) -> list[Example]:
+    model = target.model
+    prompts = [target.encode(p["prompt"]) for p in batch]
+    eos = sorted(target.eos_token_ids)
+    ids, mask = _pad_left(prompts, eos[0])
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, do_sample=False,
+        eos_token_id=eos, pad_token_id=eos[0], output_hidden_states=True, return_dict_in_generate=True,
+    )
+    responses = out.sequences[:, ids.shape[1]:]  # (B, R_max)
+    # step 0 is the prefill (last position chose response token 0); step s > 0 chose token s
+    last = [step[-1][:, -1] for step in out.hidden_states]  # R_max x (B, H)
+    hidden = torch.stack(last, dim=1)  # (B, R_max, H)
+    examples = []
+    for b, p in enumerate(batch):
+        resp = responses[b].tolist()
+        length = next((i + 1 for i, t in enumerate(resp) if t in target.eos_token_ids), len(resp))
+        h = hidden[b, :length].float()  # (R, H)
+        logits = model.get_output_embeddings()(h)  # (R, V): the target's next-token logits
+        top = torch.topk(logits, cfg.top_logits, dim=-1)
+        examples.append(Example(
+            prompt_id=p["id"], category=p["category"], split=p["split"],
+            ids=torch.tensor(prompts[b] + resp[:length]), prompt_len=len(prompts[b]),
+            hidden=h.half(), top_ids=top.indices.to(torch.int32), top_logits=top.values.half(),
+        ))
+    return examples
+
+
+def build_dataset(target: LoadedModel, cfg: DataConfig = DataConfig(), prompts_file: Path = PROMPTS_FILE) -> Dataset:
+    """Answer every prompt with the target (greedy) and keep hidden states and top logits;
+    cached on disk under the settings' hash, so a second call only loads."""
+    path = _cache_file(target, prompts_file, cfg)
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        return Dataset([Example(**e) for e in saved["examples"]], saved["info"])
+    prompts = read_prompts(prompts_file)
+    if cfg.limit:
+        prompts = prompts[: cfg.limit]
+    # similar lengths together: less padding per batch
+    order = sorted(prompts, key=lambda p: len(target.encode(p["prompt"])))
+    begin = time.perf_counter()
+    examples: list[Example] = []
+    batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+    for batch in tqdm(batches, desc="self-distillation (target answers)", unit="batch"):
+        examples.extend(_answer_batch(target, batch, cfg))
+    examples.sort(key=lambda e: e.prompt_id)
+    info = {
+        "model": target.spec, "prompts_file": prompts_file.name, "prompts": len(examples),
+        "settings": asdict(cfg), "generation_s": round(time.perf_counter() - begin, 1),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"examples": [asdict(e) for e in examples], "info": info}, tmp)
+    tmp.replace(path)
+    return Dataset(examples, info)

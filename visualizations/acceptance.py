@@ -1,0 +1,119 @@
+"""Acceptance charts: per-position acceptance, accepted drafts per step, output tokens against
+target steps, and the theory curves (Leviathan et al. 2023) with the measured point on them.
+
+Every number comes from engine.metrics, so the charts agree with the CLI and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from itertools import accumulate
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine import metrics
+from engine.trace import Step
+from visualizations.style import KIND_COLORS, SERIES_COLORS, TEMPLATE, VERMILLION, note_figure, styled
+
+K_MAX = 16  # the theory curves run over k = 0..K_MAX (engine.decoding.MAX_K)
+
+
+def per_position_chart(steps: Sequence[Step]) -> go.Figure:
+    """Bar i: accepted at draft position i / steps that drafted position i."""
+    title = "Acceptance by draft position"
+    rates = metrics.per_position_acceptance(steps)
+    if not rates:
+        return note_figure(title, "No drafted tokens yet")
+    drafted = [sum(1 for s in metrics.verify_steps(steps) if s.k > i) for i in range(len(rates))]
+    positions = list(range(1, len(rates) + 1))
+    fig = go.Figure(go.Bar(
+        x=positions, y=rates, marker_color=KIND_COLORS["accepted"], name="acceptance",
+        customdata=drafted, hovertemplate="position %{x}: %{y:.0%} of %{customdata} steps<extra></extra>",
+    ))
+    fig.update_yaxes(range=[0, 1], tickformat=".0%")
+    fig.update_xaxes(dtick=1)
+    return styled(fig, title, "draft position", "accepted / drafted")
+
+
+def accepted_histogram(steps: Sequence[Step]) -> go.Figure:
+    """How many verification steps kept 0, 1, ..., k drafts (steps that drafted nothing are left out)."""
+    title = "Accepted drafts per step"
+    counts = Counter(s.accepted for s in metrics.verify_steps(steps) if s.k > 0)
+    if not counts:
+        return note_figure(title, "No drafted tokens yet")
+    xs = list(range(max(s.k for s in steps) + 1))
+    fig = go.Figure(go.Bar(x=xs, y=[counts[x] for x in xs], marker_color=KIND_COLORS["accepted"], name="steps"))
+    fig.update_xaxes(dtick=1)
+    return styled(fig, title, "drafts accepted in the step", "steps")
+
+
+def tokens_vs_steps_chart(speculative: Sequence[Step], baseline: Sequence[Step] = ()) -> go.Figure:
+    """Cumulative output tokens after each target step (step 0: the prefill's first token); the
+    baseline emits one token per step, speculative decoding up to k + 1."""
+    fig = go.Figure()
+    runs = (("speculative", speculative, SERIES_COLORS[0]), ("baseline", baseline, SERIES_COLORS[1]))
+    for name, steps, color in runs:
+        if steps:
+            fig.add_trace(go.Scatter(
+                x=[s.index for s in steps], y=list(accumulate(len(s.emitted) for s in steps)),
+                mode="lines+markers", name=name, line_color=color,
+            ))
+    return styled(fig, "Output tokens vs target steps", "target step", "output tokens")
+
+
+def theory_chart(
+    acceptance_rate: float,
+    cost_ratio: float,
+    *,
+    k_max: int = K_MAX,
+    measured_k: int | None = None,
+    measured_tokens_per_step: float | None = None,
+    measured_speedup: float | None = None,
+) -> go.Figure:
+    """Two panels over k = 0..k_max at acceptance rate a and draft cost ratio c: expected tokens
+    per target step (1 - a^(k+1)) / (1 - a), and predicted speedup
+    (1 - a^(k+1)) / ((1 - a)(k c + 1)). Measured values, when given, are drawn at measured_k."""
+    ks = list(range(k_max + 1))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("Expected tokens per step", "Predicted speedup"))
+    curves = (
+        [metrics.expected_tokens_per_step(acceptance_rate, k) for k in ks],
+        [metrics.predicted_speedup(acceptance_rate, k, cost_ratio) for k in ks],
+    )
+    measured = (measured_tokens_per_step, measured_speedup)
+    for col, (curve, point) in enumerate(zip(curves, measured), start=1):
+        fig.add_trace(go.Scatter(
+            x=ks, y=curve, mode="lines", name="theory", legendgroup="theory", showlegend=col == 1,
+            line_color=SERIES_COLORS[0],
+        ), row=1, col=col)
+        if point is not None and measured_k is not None:
+            fig.add_trace(go.Scatter(
+                x=[measured_k], y=[point], mode="markers", name="measured", legendgroup="measured",
+                showlegend=col == 1, marker=dict(color=VERMILLION, size=12, symbol="diamond"),
+            ), row=1, col=col)
+    fig.update_xaxes(title_text="draft length k", dtick=2)
+    fig.update_yaxes(title_text="tokens per target step", row=1, col=1)
+    fig.update_yaxes(title_text="speedup vs plain decoding", row=1, col=2)
+    fig.update_layout(
+        template=TEMPLATE,
+        title=f"Theory at acceptance rate a = {acceptance_rate:.2f}, draft cost ratio c = {cost_ratio:.3f}",
+    )
+    return fig
+
+
+def theory_chart_for(
+    steps: Sequence[Step], *, baseline_step_s: float | None = None, measured_speedup: float | None = None,
+    k_max: int = K_MAX,
+) -> go.Figure:
+    """theory_chart for a run: a, c, the run's mean k and its mean acceptance length from
+    engine.metrics; measured_speedup is the wall-clock ratio against a baseline run, if any."""
+    rate = metrics.draft_acceptance_rate(steps)
+    c = metrics.cost_ratio(steps, baseline_step_s)
+    if rate is None or c is None:
+        return note_figure("Theory", "No drafted tokens yet: the curves need an acceptance rate")
+    k = round(statistics.mean(s.k for s in metrics.verify_steps(steps) if s.k > 0))
+    return theory_chart(rate, c, k_max=max(k_max, k), measured_k=k,
+                        measured_tokens_per_step=metrics.mean_acceptance_length(steps),
+                        measured_speedup=measured_speedup)
