@@ -327,9 +327,13 @@ def test_serving_timeline_lanes_escaped_in_arrival_order():
     assert "<script>" not in text.replace("\\u003c", "<").replace("\\u003e", ">")
 
 
-class Kind(enum.Enum):
+class Kind(enum.Enum):  # plain enums (not str-valued) are read by value too
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class Cls(enum.Enum):
+    LONG = "long"
 
 
 def test_serving_records_from_objects():
@@ -338,8 +342,20 @@ def test_serving_records_from_objects():
     assert step.items[0].request_id == "3" and step.items[0].kind == "decode" and step.tokens("decode") == 1
     with pytest.raises(ValueError, match="tokens"):
         serving_step({"index": 0, "start_s": 0, "end_s": 1, "items": [{"request_id": 1, "kind": "decode"}]})
+    assert request_times(dict(REQUESTS[0], cls=Cls.LONG)).cls == "long"
     assert request_times(REQUESTS[0]).ttft_s == pytest.approx(0.1)
     assert request_times(REQUESTS[2]).ttft_s is None
+
+
+def test_serving_timeline_from_engine_serving_records():
+    records = pytest.importorskip("engine.serving.records")
+    step = records.ServeStep(0, 0.0, 0.2, (records.StepItem("doc", records.ItemKind.PREFILL, 0, 64),
+                                           records.StepItem("chat", records.ItemKind.DECODE, 9, 10)))
+    doc = records.RequestRecord("doc", records.RequestClass.LONG, 0.0, 64, 0.2, (0.2, 0.3), (5, 6), "eos")
+    fig = serving_timeline([step], [doc])
+    assert list(fig.data[0].y) == ["doc (long)"] and list(fig.data[1].y) == ["chat"]
+    assert list(fig.data[4].y) == [64] and list(fig.data[5].y) == [1]
+    assert list(itl_over_time_chart({"run": [doc]}).data[0].y) == pytest.approx([100.0])
 
 
 def test_serving_timeline_empty_and_partial():

@@ -7,7 +7,8 @@ and decode tokens). `trace_timeline` draws one request's Trace: prefill chunks, 
 step's draft and verify phases and the tokens it emitted.
 
 Serving records are read by field name, from dicts or from any object with these attributes
-(the serving loop's own records), and may be partial while a run is in progress:
+(engine.serving.records' ServeStep, StepItem and RequestRecord), enums by value, and may be
+partial while a run is in progress:
 
 - step: {"index", "start_s", "end_s", "items": [{"request_id", "kind": "prefill" | "decode",
   "start", "end", "tokens"}]}; start/end is the prompt token range [start, end) of a prefill
@@ -88,10 +89,14 @@ def _field(record, name: str, default=_REQUIRED):
     return value
 
 
+def _name(value) -> str:
+    """An enum member's value (the serving records use enums), or the string itself."""
+    return str(getattr(value, "value", value))
+
+
 def scheduled_item(record) -> ScheduledItem:
-    kind = _field(record, "kind")
     return ScheduledItem(
-        request_id=str(_field(record, "request_id")), kind=str(getattr(kind, "value", kind)),
+        request_id=str(_field(record, "request_id")), kind=_name(_field(record, "kind")),
         start=_field(record, "start", None), end=_field(record, "end", None), tokens=int(_field(record, "tokens")),
     )
 
@@ -108,7 +113,7 @@ def request_times(record) -> RequestTimes:
     """A RequestTimes from a dict or record with the fields in the module docstring."""
     first = _field(record, "first_token_s", None)
     return RequestTimes(
-        request_id=str(_field(record, "request_id")), cls=str(_field(record, "cls")),
+        request_id=str(_field(record, "request_id")), cls=_name(_field(record, "cls")),
         arrival_s=float(_field(record, "arrival_s")), first_token_s=None if first is None else float(first),
         token_times_s=tuple(float(t) for t in _field(record, "token_times_s", ())),
     )

@@ -112,7 +112,8 @@ def _draft_tip(step: Step, j: int) -> str:
     if j >= len(step.accept_probs):
         lines.append("not examined: an earlier draft was rejected")
     elif step.sample_uniform is None:
-        lines.append("greedy: kept while it equals the target's argmax")
+        lines.append("greedy: equals the target's argmax" if verdict == "accepted"
+                     else "greedy: differs from the target's argmax")
     else:
         lines.append(f"accept prob min(1, target/draft) {step.accept_probs[j]:.3f}")
         lines.append(f"uniform draw {step.accept_uniforms[j]:.3f}")
