@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,25 @@ class DecodeConfig:
             raise InputError(f"prefill chunk must be >= 1 tokens, or 0 for one forward (got {self.prefill_chunk})")
 
 
+class RunClock:
+    """Seconds since the run started, not counting the time a consumer held a yielded record
+    (a user between two Step clicks, a UI rendering a step): timings measure the engine."""
+
+    def __init__(self) -> None:
+        self._origin = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._origin
+
+    @contextmanager
+    def handed_out(self) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._origin += time.perf_counter() - begin
+
+
 @dataclass(frozen=True)
 class Finished:
     stop_reason: str  # "eos", "max_new_tokens" or "stopped"
@@ -92,7 +112,7 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def prefill(
-    target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, t0: float
+    target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, clock: RunClock
 ) -> Iterator[PrefillChunk | tuple[torch.Tensor, torch.Tensor]]:
     """Run the prompt through the target in chunks; yields a PrefillChunk per forward, then the
     logits (V,) for the first output token and the final hidden state (H,) that gave them."""
@@ -101,12 +121,14 @@ def prefill(
     logits = None
     for index, start in enumerate(range(0, len(prompt_ids), size)):
         end = min(start + size, len(prompt_ids))
-        begin = time.perf_counter()
+        start_s = clock.now()
         out = target.model(
             input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True
         )
         _sync(target.device)
-        yield PrefillChunk(index, start, end, begin - t0, time.perf_counter() - begin)
+        chunk_record = PrefillChunk(index, start, end, start_s, clock.now() - start_s)
+        with clock.handed_out():
+            yield chunk_record
     yield out.logits[0, -1], out.hidden_states[-1][0, -1]  # (V,), (H,)
 
 
@@ -182,12 +204,12 @@ def generate(
     """
     check_prompt(target, prompt_ids, cfg)
     sampling = cfg.sampling
-    t0 = time.perf_counter()
+    clock = RunClock()
     target_rng = torch.Generator().manual_seed(sampling.seed)  # accept and sample draws
     draft_rng = torch.Generator().manual_seed(sampling.seed + 1)  # the drafter's own draws
     eos = frozenset() if cfg.ignore_eos else target.eos_token_ids
     cache = DynamicCache()
-    for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, t0):
+    for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, clock):
         if isinstance(item, PrefillChunk):
             yield item
         else:
@@ -195,14 +217,16 @@ def generate(
     probs = probs_from_logits(logits, sampling)
     u = float(torch.rand((), generator=target_rng))
     first = choose(probs, logits, sampling, u)
-    now = time.perf_counter() - t0
-    yield Step(
+    now = clock.now()
+    first_step = Step(
         index=0, drafter="prefill", k=0, draft_token_ids=(), draft_texts=(), draft_probs=(),
         target_probs=(), accept_probs=(), accept_uniforms=(),
         sample_uniform=None if sampling.greedy else u, accepted=0,
         emitted=_emitted(target, [first], [TokenKind.BONUS], [probs]), residual_top=(), draft_top=(),
         kv_len_before=0, kv_len_after=len(prompt_ids), draft_s=0.0, verify_s=now, end_s=now,
     )
+    with clock.handed_out():
+        yield first_step
     context = list(prompt_ids) + [first]
     produced = 1
     if first in eos or produced >= cfg.max_new_tokens:
@@ -261,7 +285,7 @@ def generate(
             i = result.rejected_at
             residual = _top(target, residual_distribution(target_probs[i], draft_probs[i]), 10)
         draft_list = draft_ids.tolist()
-        yield Step(
+        record = Step(
             index=step_index,
             drafter=drafter_name,
             k=drafted,
@@ -280,8 +304,10 @@ def generate(
             kv_len_after=cache.get_seq_length(),
             draft_s=draft_s,
             verify_s=verify_s,
-            end_s=time.perf_counter() - t0,
+            end_s=clock.now(),
         )
+        with clock.handed_out():
+            yield record
         context.extend(tokens)
         produced += len(tokens)
         if drafter is not None:

@@ -61,7 +61,7 @@ def parse_number(text: str | int | float) -> float:
 def format_number(value: float, tolerance: float) -> str:
     """The answer to as many decimals as the tolerance asks for.
 
-    >>> format_number(3.3616, 0.01), format_number(434.2, 0.1), format_number(5.0, 0.5)
+    >>> format_number(3.3616, 0.01), format_number(434.2, 0.1), format_number(5.0, 1)
     ('3.36', '434.2', '5')
     """
     decimals = max(0, math.ceil(-math.log10(tolerance)))

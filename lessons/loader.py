@@ -144,16 +144,17 @@ def _check_arg(fn_name: str, name: str, value: object, hint: object, f: _Fields)
         return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
     if hint is int:
-        ok = is_number(value) and isinstance(value, int)
+        ok, wanted = is_number(value) and isinstance(value, int), "an integer"
     elif hint is float:
-        ok = is_number(value)
+        ok, wanted = is_number(value), "a number"
     elif typing.get_origin(hint) is collections.abc.Sequence:
         ok = isinstance(value, list) and bool(value) and all(is_number(v) for v in value)
+        wanted = "a non-empty list of numbers"
     else:
         f.problem(f"{fn_name}: argument {name} has a type the loader cannot check ({hint})")
         return 0
     if not ok:
-        f.problem(f"{fn_name}: argument {name} must be {getattr(hint, '__name__', 'a list of numbers')} (got {value!r})")
+        f.problem(f"{fn_name}: argument {name} must be {wanted} (got {value!r})")
         return 0
     if isinstance(value, list):
         return tuple(float(v) for v in value)
@@ -202,21 +203,23 @@ def _given(value: float | int | tuple[float, ...]) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _fill_prompt(template: str, args: tuple, f: _Fields) -> str:
-    """The prompt with {name} replaced by each given, so the text and the answer never disagree."""
+def _fill(key: str, args: tuple, f: _Fields, every_given: bool) -> str:
+    """Text with {name} replaced by each given, so the words and the computed answer never
+    disagree; the prompt must state every given."""
+    template = f.text(key)
     try:
         fields = [(name, spec, conv) for _, name, spec, conv in FORMAT_FIELD.parse(template) if name is not None]
     except ValueError as err:
-        f.problem(f"prompt is not a valid template: {err}")
+        f.problem(f"{key} is not a valid template: {err}")
         return template
-    given = {key: _given(value) for key, value in args}
+    given = {name: _given(value) for name, value in args}
     for name, spec, conv in fields:
         if name not in given or spec or conv:
-            f.problem(f"prompt placeholder {{{name}}} must be a bare name of an arg ({', '.join(given)})")
+            f.problem(f"{key} placeholder {{{name}}} must be a bare name of an arg ({', '.join(given)})")
             return template
     missing = set(given) - {name for name, _, _ in fields}
-    if missing:
-        f.problem(f"prompt must state every given; add {', '.join('{' + m + '}' for m in sorted(missing))}")
+    if every_given and missing:
+        f.problem(f"{key} must state every given; add {', '.join('{' + m + '}' for m in sorted(missing))}")
     return template.format_map(given)
 
 
@@ -230,8 +233,9 @@ def _numeric_question(f: _Fields, qid: str) -> NumericQuestion:
         f.problem("tolerance must be > 0")
     elif answer is not None and tolerance > max(0.05 * abs(answer), 0.05):
         f.problem(f"tolerance {tolerance} is too loose for the answer {answer:.6g} (at most 5%)")
-    prompt = _fill_prompt(f.text("prompt"), args, f)
-    return NumericQuestion(qid, prompt, name, args, answer if answer is not None else math.nan, tolerance, f.text("explanation"))
+    prompt = _fill("prompt", args, f, every_given=True)
+    explanation = _fill("explanation", args, f, every_given=False)
+    return NumericQuestion(qid, prompt, name, args, answer if answer is not None else math.nan, tolerance, explanation)
 
 
 def _question(data: object, where: str, problems: list[str]) -> Question | None:

@@ -104,7 +104,7 @@ def forward_packed(target: LoadedModel, token_ids: list[int], positions: list[in
         input_ids=torch.tensor([token_ids], device=device),  # (1, T)
         position_ids=torch.tensor([positions], device=device),  # (1, T)
         use_cache=False,  # the per-request caches live in the segments
-        logits_to_keep=torch.tensor(keep, device=device),
+        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         speclab_segments=segments,
     )
     return out.logits[0].float()  # (len(keep), V)

@@ -7,17 +7,17 @@ the run started (its clock starts before the first request can arrive).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from engine.trace import to_jsonable
 
 
-class ItemKind(Enum):
+class ItemKind(StrEnum):  # str() is the value, so records read like their JSON
     PREFILL = "prefill"  # a chunk of a request's prompt
     DECODE = "decode"  # a request's last output token, fed to get the next one
 
 
-class RequestClass(Enum):
+class RequestClass(StrEnum):
     LONG = "long"  # a long prompt (a document): its TTFT is what chunking trades
     SHORT = "short"  # a chat turn: its ITL is what a long prefill hurts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from engine.metrics import percentile
 from engine.serving.records import ItemKind, RequestClass, RequestRecord, ServeStep
 from engine.serving.loop import ServeResult
+from engine.serving.scheduler import Policy
 
 QUANTILES = (50, 90, 99)
 
@@ -64,7 +65,7 @@ def summary(result: ServeResult) -> dict:
         "workload": result.workload.name,
         "policy": cfg.policy.value,
         "chunk_size": cfg.chunk_size,
-        "chunking": cfg.policy.value != "none",  # under none the chunk size is not used
+        "chunking": cfg.policy is not Policy.NONE,  # under none the chunk size is not used
         "token_budget": result.token_budget,
         "k": 0,  # no drafting: one token per request per step
         "temperature": cfg.sampling.temperature,

@@ -88,8 +88,9 @@ def _chunks(requests: Sequence[Live], chunk_size: int, budget: int) -> list[Step
 def _whole_prompts(requests: Sequence[Live], budget: int) -> list[StepItem]:
     items = []
     for r in requests:
-        if r.prompt_tokens > budget:
+        n = r.prompt_tokens - r.prefilled
+        if n > budget:
             break
-        items.append(StepItem(r.request_id, ItemKind.PREFILL, 0, r.prompt_tokens))
-        budget -= r.prompt_tokens
+        items.append(StepItem(r.request_id, ItemKind.PREFILL, r.prefilled, r.prompt_tokens))
+        budget -= n
     return items

@@ -25,7 +25,7 @@ from engine.train.prompts import PROMPTS_FILE, read_prompts
 @dataclass(frozen=True)
 class DataConfig:
     max_new_tokens: int = 128  # response length cap per prompt
-    batch_size: int = 24  # prompts answered together (left padded)
+    batch_size: int = 32  # prompts answered together (left padded)
     top_logits: int = 32  # target logits kept per position for the draft model's KL
     limit: int = 0  # answer only the first N prompts (0: all); smoke tests use a few
 

@@ -1,0 +1,46 @@
+"""Speculative Decoding Lab: the Gradio app. Composition only: tabs come from ui/.
+
+Importing this module loads no model; models load on first use, once per process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gradio as gr
+
+from ui.playground import build_playground
+from ui.status import build_status
+
+TITLE = "Speculative Decoding Lab"
+INTRO = (
+    "Watch a **drafter** propose tokens and the **target model** verify them, step by step, on a real "
+    "model. Greedy speculative output is token-for-token the plain output; sampled output keeps the "
+    "target's distribution. Colours: **accepted** drafts, the **recovered** token at a rejection, the "
+    "**bonus** token after a fully accepted draft."
+)
+
+
+def build_app() -> gr.Blocks:
+    with gr.Blocks(title=TITLE) as demo:
+        gr.Markdown(f"# {TITLE}\n{INTRO}")
+        build_status(demo)
+        with gr.Tabs():
+            with gr.Tab("Playground", id="playground"):
+                build_playground()
+    demo.queue(default_concurrency_limit=int(os.environ.get("SPECLAB_CONCURRENCY", "2")), max_size=64)
+    return demo
+
+
+def main() -> None:
+    demo = build_app()
+    demo.launch(
+        server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+        max_file_size="25mb",
+        footer_links=["api"],
+    )
+
+
+if __name__ == "__main__":
+    main()

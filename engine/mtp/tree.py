@@ -1,0 +1,166 @@
+"""Token trees: several drafted continuations verified in one target forward (Medusa, SpecInfer).
+
+A tree of n drafted tokens is given by `parents`: parents[i] is the index of draft i's parent,
+-1 for the last context token (the root); parents come before children. A chain of k drafts is
+the tree (-1, 0, 1, ..., k-2). Each draft attends to the cached context, its ancestors and
+itself, at position (context length - 1 + its depth), so every root-to-leaf path is scored as
+if it had been verified alone. Greedy verification walks from the root to the child matching the
+target's argmax; the KV cache then keeps only that path.
+
+Tree shapes for MTP heads are data (trees.yaml): each node is a path of ranks in the heads' top-k
+lists, (0, 2) = head 1's top-1 followed by head 2's top-3 (Medusa's notation).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from engine.acceptance import Acceptance
+from engine.errors import InputError
+
+TREES_FILE = Path(__file__).with_name("trees.yaml")
+
+
+def depths(parents: tuple[int, ...]) -> list[int]:
+    """Depth of each draft (a child of the root has depth 1).
+
+    >>> depths((-1, 0, -1, 2, 1))
+    [1, 2, 1, 2, 3]
+    """
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"draft {i} has parent {p}: parents must come before their children")
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def prune(parents: tuple[int, ...], max_depth: int) -> tuple[list[int], tuple[int, ...]]:
+    """The drafts at depth <= max_depth: their indices, and the parents renumbered among them.
+
+    >>> prune((-1, 0, -1, 2, 1), 2)
+    ([0, 1, 2, 3], (-1, 0, -1, 2))
+    """
+    keep = [i for i, d in enumerate(depths(parents)) if d <= max_depth]
+    new_index = {old: new for new, old in enumerate(keep)}
+    return keep, tuple(-1 if parents[i] < 0 else new_index[parents[i]] for i in keep)
+
+
+def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """(n+1, n+1) bool: row r may attend to column c. Row 0 is the root (the last context token),
+    row i+1 is draft i; each sees itself and its ancestors.
+
+    >>> ancestor_mask((-1, -1, 0)).int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    """
+    n = len(parents)
+    mask = torch.eye(n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents):
+        mask[i + 1] |= mask[p + 1]
+    return mask
+
+
+def tree_inputs(parents: tuple[int, ...], past: int, device: str, dtype: torch.dtype) -> dict:
+    """position_ids (1, n+1) and an additive attention mask (1, 1, n+1, past+n+1) for a target
+    forward over [root, drafts...] appended to a cache holding `past` tokens."""
+    positions = torch.tensor([[past] + [past + d for d in depths(parents)]], device=device)
+    allowed = torch.cat([torch.ones(len(parents) + 1, past, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return {"position_ids": positions, "attention_mask": mask[None, None].to(device)}
+
+
+def greedy_accept_tree(
+    draft_ids: torch.Tensor, parents: tuple[int, ...], target_logits: torch.Tensor
+) -> tuple[Acceptance, tuple[int, ...]]:
+    """Greedy verification of a tree: from the root, follow the child whose token is the target's
+    argmax, as long as one exists. Returns the acceptance and the accepted drafts' indices
+    (root to leaf). target_logits (n+1, V): row 0 scores the token after the context, row i+1
+    the token after draft i and its ancestors. On a chain this is `greedy_accept`.
+
+    >>> logits = torch.tensor([[0., 5, 0], [0, 0, 5], [5, 0, 0], [0, 0, 5]])  # argmax 1, 2, 0, 2
+    >>> a, path = greedy_accept_tree(torch.tensor([2, 1, 0]), (-1, -1, 1), logits)  # 1 then 0: a leaf
+    >>> path, a.accepted, a.next_token, a.rejected_at
+    ((1, 2), 2, 2, None)
+    >>> a, path = greedy_accept_tree(torch.tensor([2, 1, 1]), (-1, -1, 1), logits)  # 1, then 1 != 0
+    >>> path, a.accepted, a.next_token, a.rejected_at
+    ((1,), 1, 0, 1)
+    """
+    argmax = torch.argmax(target_logits, dim=-1).tolist()  # (n+1,)
+    tokens = draft_ids.tolist()
+    children: dict[int, list[int]] = {-1: []}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+        children.setdefault(i, [])
+    node, path, accept_probs = -1, [], []
+    while children[node]:
+        match = next((i for i in children[node] if tokens[i] == argmax[node + 1]), None)
+        accept_probs.append(0.0 if match is None else 1.0)
+        if match is None:
+            break
+        path.append(match)
+        node = match
+    rejected_at = len(path) if children[node] else None
+    return Acceptance(len(path), int(argmax[node + 1]), tuple(accept_probs), rejected_at), tuple(path)
+
+
+@torch.inference_mode()
+def keep_path(cache: DynamicCache, past: int, path: tuple[int, ...]) -> None:
+    """After a tree forward appended [root, drafts...] to a cache of `past` tokens, keep the root
+    and the accepted drafts (in path order) and drop every other branch."""
+    keep = [past] + [past + 1 + i for i in path]
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise InputError(f"tree verification needs a plain KV cache (this model uses {type(layer).__name__})")
+        index = torch.tensor(keep, device=layer.keys.device)
+        layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.index_select(-2, index)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :past, :], layer.values.index_select(-2, index)], dim=-2)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A named tree for MTP heads: each node a path of ranks, parents listed before children."""
+
+    name: str
+    paths: tuple[tuple[int, ...], ...]
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        index = {p: i for i, p in enumerate(self.paths)}
+        return tuple(index[p[:-1]] if len(p) > 1 else -1 for p in self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def top_k(self, depth: int) -> int:
+        """How many candidates head `depth` (1-based) must propose for this shape."""
+        return 1 + max((p[depth - 1] for p in self.paths if len(p) >= depth), default=-1)
+
+
+def _shape(name: str, paths: list) -> TreeShape:
+    ordered = tuple(sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p)))
+    for p in ordered:
+        if not p or min(p) < 0 or (len(p) > 1 and p[:-1] not in ordered):
+            raise ValueError(f"tree {name!r}: node {list(p)} is empty, negative or lacks its parent")
+    return TreeShape(name, ordered)
+
+
+@functools.cache
+def tree_shapes() -> dict[str, TreeShape]:
+    data = yaml.safe_load(TREES_FILE.read_text())
+    return {name: _shape(name, entry["paths"]) for name, entry in data["trees"].items()}
+
+
+def tree_shape(name: str) -> TreeShape:
+    shapes = tree_shapes()
+    if name not in shapes:
+        raise InputError(f"unknown tree shape {name!r} ({', '.join(shapes)})")
+    return shapes[name]

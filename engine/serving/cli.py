@@ -1,0 +1,145 @@
+"""`python -m engine serve` (one run of a workload) and `python -m engine serve-compare`
+(several policies / chunk sizes on the same workload, interleaved repeats, medians)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from engine.cli import add_sampling_args, sampling_from_args
+from engine.errors import InputError
+from engine.metrics import percentile
+from engine.models import load_model
+from engine.serving.loop import ServeConfig, run_serve
+from engine.serving.records import RequestClass
+from engine.serving.report import report, summary
+from engine.serving.scheduler import Policy
+from engine.serving.workload import Workload, WorkloadRequest, builtin_workloads, load_workload
+
+POLICIES = [p.value for p in Policy]
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("serve", help="serve a workload of arriving requests (chunked prefill)")
+    _add_common(s)
+    s.add_argument("--policy", choices=POLICIES, default=Policy.DECODE_FIRST.value)
+    s.add_argument("--chunk-size", type=int, default=256, help="most prompt tokens of a request per step")
+    s.add_argument("--json", action="store_true", help="print one JSON object: steps, requests, summary")
+    s.set_defaults(func=cmd_serve)
+
+    c = subparsers.add_parser("serve-compare", help="compare policies/chunk sizes on one workload, side by side")
+    _add_common(c)
+    c.add_argument("--runs", nargs="+", default=["none", "decode-first:256", "decode-first:64"],
+                   help="POLICY[:CHUNK] each, e.g. none decode-first:256 decode-first:64")
+    c.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_compare)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True, help=f"{', '.join(builtin_workloads())}, a workload JSON file, "
+                   "or a serve --json output (replays its arrivals)")
+    p.add_argument("--token-budget", type=int, default=None, help="most tokens per step (default: chunk + requests)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="replaces every request's own limit")
+    p.add_argument("--model", default="embedded", help="preset name, local folder or hub id")
+    add_sampling_args(p)
+
+
+def _config(args, policy: str, chunk_size: int) -> ServeConfig:
+    return ServeConfig(policy=Policy(policy), chunk_size=chunk_size, token_budget=args.token_budget,
+                       max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _config(args, args.policy, args.chunk_size)
+    workload = load_workload(args.workload)
+    result = run_serve(load_model(args.model), workload, cfg)
+    out = report(result)
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False, allow_nan=False))
+        return 0
+    print(f"{'request':<14}{'class':<7}{'prompt':>7}{'output':>7}{'TTFT ms':>10}{'ITL p50':>9}{'ITL p99':>9}  stop")
+    for r in out["requests"]:
+        itl = r["itl_ms"]
+        print(f"{r['request_id']:<14}{r['cls']:<7}{r['prompt_tokens']:>7}{len(r['output_token_ids']):>7}"
+              f"{r['ttft_ms']:>10.0f}{_fmt(percentile(itl, 50)):>9}{_fmt(percentile(itl, 99)):>9}  {r['stop_reason']}")
+    _print_summary(out["summary"])
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    print(f"-- {s['workload']} ({s['evidence_class']}), policy {s['policy']}, chunk {s['chunk_size']}"
+          f"{'' if s['chunking'] else ' (not used)'}, budget {s['token_budget']} tokens/step, "
+          f"{s['model']} on {s['device']} {s['dtype']}")
+    print(f"   {s['steps']} steps, {s['output_tokens']} output tokens in {s['wall_s']:.2f} s "
+          f"({_fmt(s['output_tokens_per_s'])} tokens/s), concurrency {s['concurrency']}, "
+          f"decode traffic during prefill: {'yes' if s['decode_traffic_active'] else 'no'}")
+    for cls, c in s["by_class"].items():
+        if c["requests"]:
+            print(f"   {cls:<5}: TTFT ms p50/p90/p99 {_fmt(c['ttft_ms_p50'])}/{_fmt(c['ttft_ms_p90'])}/{_fmt(c['ttft_ms_p99'])}"
+                  f", ITL ms p50/p90/p99 {_fmt(c['itl_ms_p50'])}/{_fmt(c['itl_ms_p90'])}/{_fmt(c['itl_ms_p99'])}")
+
+
+def _parse_run(spec: str) -> tuple[str, int]:
+    policy, _, chunk = spec.partition(":")
+    if policy not in POLICIES:
+        raise InputError(f"run {spec!r}: policy must be one of {', '.join(POLICIES)}")
+    try:
+        return policy, int(chunk) if chunk else 256
+    except ValueError:
+        raise InputError(f"run {spec!r}: the chunk size after ':' must be an integer") from None
+
+
+WATCHED = ("short.itl_ms_p50", "short.itl_ms_p99", "short.itl_ms_max", "long.ttft_ms_p50", "long.ttft_ms_p99")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if not 1 <= args.repeats <= 100:
+        raise InputError(f"repeats must be in 1..100 (got {args.repeats})")
+    configs = [_config(args, *_parse_run(spec)) for spec in args.runs]
+    workload = load_workload(args.workload)
+    target = load_model(args.model)
+    warm = Workload("warm-up", "", (WorkloadRequest("warm-up", RequestClass.SHORT, 0.0, "Hello.", 2),))
+    run_serve(target, warm, configs[0])  # one-time costs (the packed view, lazy kernels) outside the timings
+    runs: list[list[dict]] = [[] for _ in configs]
+    for rep in range(args.repeats):
+        order = list(range(len(configs)))
+        order = order[rep % len(order):] + order[:rep % len(order)]  # rotate, so no config is always first
+        for i in order:
+            runs[i].append(summary(run_serve(target, workload, configs[i])))
+    rows = []
+    for spec, summaries in zip(args.runs, runs):
+        row = {"run": spec, "policy": summaries[0]["policy"], "chunk_size": summaries[0]["chunk_size"],
+               "token_budget": summaries[0]["token_budget"], "repeats": len(summaries)}
+        for key in WATCHED:
+            values = [v for v in (_dig(s, key) for s in summaries) if v is not None]
+            row[f"{key}_median"] = statistics.median(values) if values else None
+        row["output_tokens_per_s_median"] = statistics.median(s["output_tokens_per_s"] or 0 for s in summaries)
+        row["runs"] = summaries
+        rows.append(row)
+    first = runs[0][0]
+    fields = ("model", "device", "dtype", "workload", "k", "temperature", "prompt_tokens", "requests", "concurrency",
+              "decode_traffic_active")
+    out = {"evidence_class": "controlled benchmark", **{f: first[f] for f in fields}, "results": rows}
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False, allow_nan=False))
+        return 0
+    print(f"{workload.name}: {first['model']} on {first['device']} {first['dtype']}, {args.repeats} interleaved repeats, medians")
+    print(f"{'run':<20}{'budget':>7}{'short ITL p50':>15}{'short ITL p99':>15}{'short ITL max':>15}{'long TTFT':>12}{'tok/s':>8}")
+    for row in rows:
+        print(f"{row['run']:<20}{row['token_budget']:>7}{_fmt(row['short.itl_ms_p50_median']):>15}"
+              f"{_fmt(row['short.itl_ms_p99_median']):>15}{_fmt(row['short.itl_ms_max_median']):>15}"
+              f"{_fmt(row['long.ttft_ms_p50_median']):>12}{_fmt(row['output_tokens_per_s_median']):>8}")
+    print("(ms; ITL per token; TTFT from arrival; decode traffic active: "
+          f"{'yes' if first['decode_traffic_active'] else 'no'})")
+    return 0
+
+
+def _dig(summary_: dict, key: str):
+    cls, _, stat = key.partition(".")
+    return summary_["by_class"][cls][stat]
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"

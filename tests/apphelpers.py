@@ -1,0 +1,48 @@
+"""Launch the real app in a subprocess on a free port and talk to it with gradio_client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_app(extra_env: dict | None = None, timeout: float = 240):
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
+               GRADIO_ANALYTICS_ENABLED="False", PYTHONPATH=str(ROOT), **(extra_env or {}))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"app exited early: {proc.stderr.read()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("app did not start in time")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

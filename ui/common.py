@@ -1,0 +1,67 @@
+"""Small helpers every tab shares: bad input as a UI error, settings from components."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+
+from engine.errors import InputError
+from engine.models import presets
+
+
+def default_preset() -> str:
+    return os.environ.get("SPECLAB_PRESET", "embedded")
+
+
+def preset_choices() -> list[str]:
+    return list(presets())
+
+
+def user_errors(fn):
+    """Turn bad input into a visible message (and an error for API clients), never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except InputError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+
+    @functools.wraps(fn)
+    def gen_wrapper(*args, **kwargs):
+        try:
+            yield from fn(*args, **kwargs)
+        except InputError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+
+    return gen_wrapper if inspect.isgeneratorfunction(fn) else wrapper
+
+
+def as_int(value, name: str) -> int:
+    """Numbers from UI components arrive as floats or None; refuse what is not an integer."""
+    if value is None or (isinstance(value, float) and not value.is_integer()):
+        raise InputError(f"{name} must be a whole number (got {value})")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{name} must be a whole number (got {value!r})") from None
+
+
+def as_float(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{name} must be a number (got {value!r})") from None
+
+
+def temp_file(name: str, text: str) -> str:
+    """Write a download into a fresh temp folder (one per call: sessions never share files)."""
+    folder = Path(tempfile.mkdtemp(prefix="speclab-"))
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
