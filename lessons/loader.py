@@ -20,7 +20,7 @@ import yaml
 
 from engine import metrics
 from engine.acceptance import AcceptRule
-from engine.decoding import MAX_K
+from engine.decoding import MAX_K, MAX_NEW_TOKENS
 from engine.drafters import drafter_names
 from engine.errors import InputError
 from engine.run import MAX_PROMPT_CHARS
@@ -262,7 +262,7 @@ def _playground(f: _Fields, label: str, look_for: str) -> PlaygroundPreset:
     if len(prompt) > MAX_PROMPT_CHARS:
         f.problem(f"prompt is longer than {MAX_PROMPT_CHARS} characters")
     rule = f.data.get("rule", AcceptRule.EXACT.value)
-    if rule not in {r.value for r in AcceptRule}:
+    if not isinstance(rule, str) or rule not in {r.value for r in AcceptRule}:
         f.problem(f"rule must be one of {', '.join(r.value for r in AcceptRule)} (got {rule!r})")
         rule = AcceptRule.EXACT.value
     preset = PlaygroundPreset(
@@ -274,7 +274,7 @@ def _playground(f: _Fields, label: str, look_for: str) -> PlaygroundPreset:
         adaptive=f.flag("adaptive", False),
         temperature=f.number("temperature", default=0.0),
         seed=f.integer("seed", 0, 2**63 - 1, default=0),
-        max_new_tokens=f.integer("max_new_tokens", 1, 4096, default=64),
+        max_new_tokens=f.integer("max_new_tokens", 1, MAX_NEW_TOKENS, default=64),
         rule=AcceptRule(rule),
     )
     try:
@@ -328,7 +328,7 @@ def _sources(f: _Fields, body: str, known: dict[str, Source]) -> tuple[Source, .
     return tuple(found)
 
 
-def parse_lesson(data: object, where: str, problems: list[str], sources: dict[str, Source]) -> Lesson | None:
+def _parse_lesson(data: object, where: str, problems: list[str], sources: dict[str, Source]) -> Lesson | None:
     """One lesson from its parsed YAML; appends every problem found to `problems`."""
     n_before = len(problems)
     allowed = ("id", "title", "order", "summary", "body", "sources", "questions", "try_it")
@@ -361,7 +361,7 @@ def parse_lesson(data: object, where: str, problems: list[str], sources: dict[st
 def lesson_problems(data: object, where: str = "lesson") -> list[str]:
     """Every problem of one lesson given as parsed YAML (an empty list: it is valid)."""
     problems: list[str] = []
-    parse_lesson(data, where, problems, load_sources())
+    _parse_lesson(data, where, problems, load_sources())
     return problems
 
 
@@ -379,7 +379,7 @@ def _load_all(folder: Path) -> tuple[list[Lesson], list[str]]:
         except yaml.YAMLError as err:
             problems.append(f"{where}: not valid YAML: {' '.join(str(err).split())}")
             continue
-        lesson = parse_lesson(data, where, problems, sources)
+        lesson = _parse_lesson(data, where, problems, sources)
         if lesson is not None:
             lessons.append(lesson)
     for attr in ("id", "order"):
