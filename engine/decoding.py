@@ -28,6 +28,7 @@ from engine.acceptance import (
 from engine.drafters.base import Drafter
 from engine.errors import InputError
 from engine.models import LoadedModel
+from engine.mtp.tree import greedy_accept_tree, keep_path, tree_inputs
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 from engine.trace import EmittedToken, PrefillChunk, Step, TopToken
 
@@ -115,33 +116,38 @@ def prefill(
     target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, clock: RunClock
 ) -> Iterator[PrefillChunk | tuple[torch.Tensor, torch.Tensor]]:
     """Run the prompt through the target in chunks; yields a PrefillChunk per forward, then the
-    logits (V,) for the first output token and the final hidden state (H,) that gave them."""
+    logits (V,) for the first output token and the final hidden states (T, H) of the prompt."""
     size = chunk or len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
-    logits = None
+    hidden = []
     for index, start in enumerate(range(0, len(prompt_ids), size)):
         end = min(start + size, len(prompt_ids))
         start_s = clock.now()
         out = target.model(
             input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True
         )
+        hidden.append(out.hidden_states[-1][0])  # (chunk, H)
         _sync(target.device)
         chunk_record = PrefillChunk(index, start, end, start_s, clock.now() - start_s)
         with clock.handed_out():
             yield chunk_record
-    yield out.logits[0, -1], out.hidden_states[-1][0, -1]  # (V,), (H,)
+    yield out.logits[0, -1], torch.cat(hidden)  # (V,), (T, H)
 
 
 @torch.inference_mode()
 def verify(
-    target: LoadedModel, cache: DynamicCache, last_token: int, draft_ids: torch.Tensor
+    target: LoadedModel, cache: DynamicCache, last_token: int, draft_ids: torch.Tensor,
+    parents: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: one target forward over [last token, drafts...] appended to the cache.
 
     Returns float32 logits (n, V) and final hidden states (n, H), n = drafts + 1: row i scores
-    the token after the context plus the first i drafts."""
+    the token after the context plus the first i drafts. A tree of drafts (parents given) gets
+    position ids by depth and a mask letting each draft see only its ancestors: row i + 1 then
+    scores the token after draft i's path (engine.mtp.tree)."""
     ids = torch.tensor([[last_token] + draft_ids.tolist()], device=target.device)  # (1, n)
-    out = target.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    tree = {} if parents is None else tree_inputs(parents, cache.get_seq_length(), target.device, target.dtype)
+    out = target.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, **tree)
     return out.logits[0].float(), out.hidden_states[-1][0]
 
 
@@ -162,16 +168,27 @@ def accept(
     return speculative_sample(draft_ids, draft_probs, target_probs, draws[:-1], float(draws[-1]))
 
 
-def rollback(cache: DynamicCache, drafted: int, accepted: int) -> None:
+def rollback(cache: DynamicCache, drafted: int, accepted: int, tree_path: tuple[int, ...] | None = None) -> None:
     """Phase 4: drop the KV entries of rejected drafts; the cache then holds the context up to
-    (not including) the token the step emitted last."""
-    if drafted > accepted:
+    (not including) the token the step emitted last. After a tree, tree_path (the accepted
+    drafts' indices) says which entries to keep."""
+    if tree_path is not None:
+        keep_path(cache, cache.get_seq_length() - drafted - 1, tree_path)
+    elif drafted > accepted:
         cache.crop(accepted - drafted)
 
 
 def _top(target: LoadedModel, probs: torch.Tensor, n: int = TOP_N) -> tuple[TopToken, ...]:
     values, ids = torch.topk(probs, n)
     return tuple(TopToken(int(i), target.token_text(int(i)), float(v)) for v, i in zip(values.tolist(), ids.tolist()))
+
+
+def _head_top(target: LoadedModel, proposal) -> tuple[tuple[TopToken, ...], ...]:
+    """Each draft depth's top candidates (MTP heads), enough to cover the tree's ranks."""
+    if proposal is None or proposal.head_probs is None:
+        return ()
+    widest = [1 + max((r[d] for r in proposal.ranks if len(r) > d), default=-1) for d in range(len(proposal.head_probs))]
+    return tuple(_top(target, row, max(TOP_N, n)) for row, n in zip(proposal.head_probs, widest))
 
 
 def _emitted(target, tokens, kinds, probs_rows) -> tuple[EmittedToken, ...]:
@@ -252,29 +269,37 @@ def generate(
 
         # 1 draft
         begin = time.perf_counter()
-        proposal = drafter.propose(context, k_step, sampling, draft_rng) if k_step else None
-        draft_ids = proposal.token_ids[:k_step] if proposal is not None else torch.zeros(0, dtype=torch.long)
+        proposal = drafter.propose(context, k_step, sampling, draft_rng).within(k_step) if k_step else None
+        draft_ids = proposal.token_ids if proposal is not None else torch.zeros(0, dtype=torch.long)
         _sync(target.device)
         draft_s = time.perf_counter() - begin
         drafted = int(draft_ids.shape[0])
+        parents = proposal.parents if proposal is not None and drafted else None  # None: a chain
+        if parents is not None and (not sampling.greedy or cfg.rule is not AcceptRule.EXACT):
+            raise InputError("a tree of drafts is verified greedily only (temperature 0, exact rule)")
 
         # 2 verify: one target forward over [last token, drafts...]
         begin = time.perf_counter()
-        target_logits, hidden = verify(target, cache, context[-1], draft_ids)  # (drafted+1, V), (drafted+1, H)
+        target_logits, hidden = verify(target, cache, context[-1], draft_ids, parents)  # (drafted+1, V), (drafted+1, H)
         target_probs = probs_from_logits(target_logits, sampling)  # (drafted+1, V)
 
         # 3 accept
         if drafted and proposal.probs is not None:
-            draft_probs = proposal.probs[:drafted].to(target_probs.device)
+            draft_probs = proposal.probs.to(target_probs.device)
         else:
             draft_probs = one_hot_probs(draft_ids, target_probs.shape[-1]).to(target_probs.device)
         draws = torch.rand(drafted + 1, generator=target_rng)
-        result = accept(cfg, draft_ids.to(target_probs.device), draft_probs, target_logits, target_probs, draws)
-        tokens = draft_ids[: result.accepted].tolist() + [result.next_token]
+        if parents is None:
+            result = accept(cfg, draft_ids.to(target_probs.device), draft_probs, target_logits, target_probs, draws)
+            path = tuple(range(result.accepted))
+        else:
+            result, path = greedy_accept_tree(draft_ids, parents, target_logits)
+        rows = [0] + [i + 1 for i in path]  # the verify rows that chose each emitted token
+        tokens = [int(draft_ids[i]) for i in path] + [result.next_token]
         tokens, hit_eos = _truncate(tokens, eos, budget)
 
         # 4 commit/rollback KV: keep the last token and the accepted drafts
-        rollback(cache, drafted, result.accepted)
+        rollback(cache, drafted, result.accepted, None if parents is None else path)
         _sync(target.device)
         verify_s = time.perf_counter() - begin
 
@@ -285,6 +310,7 @@ def generate(
             i = result.rejected_at
             residual = _top(target, residual_distribution(target_probs[i], draft_probs[i]), 10)
         draft_list = draft_ids.tolist()
+        parent_rows = range(drafted) if parents is None else [p + 1 for p in parents]
         record = Step(
             index=step_index,
             drafter=drafter_name,
@@ -292,12 +318,12 @@ def generate(
             draft_token_ids=tuple(draft_list),
             draft_texts=tuple(target.token_text(t) for t in draft_list),
             draft_probs=tuple(float(draft_probs[i, t]) for i, t in enumerate(draft_list)),
-            target_probs=tuple(float(target_probs[i, t]) for i, t in enumerate(draft_list)),
+            target_probs=tuple(float(target_probs[r, t]) for r, t in zip(parent_rows, draft_list)),
             accept_probs=result.accept_probs,
             accept_uniforms=() if sampling.greedy else tuple(draws[: len(result.accept_probs)].tolist()),
             sample_uniform=None if sampling.greedy else float(draws[-1]),
             accepted=result.accepted,
-            emitted=_emitted(target, tokens, kinds, target_probs),
+            emitted=_emitted(target, tokens, kinds, target_probs[rows]),
             residual_top=residual,
             draft_top=tuple(_top(target, draft_probs[i], 3) for i in range(drafted)) if proposal and proposal.probs is not None else (),
             kv_len_before=kv_before,
@@ -305,13 +331,17 @@ def generate(
             draft_s=draft_s,
             verify_s=verify_s,
             end_s=clock.now(),
+            draft_parents=parents or (),
+            accepted_nodes=path if parents is not None else (),
+            draft_ranks=proposal.ranks if proposal is not None else (),
+            head_top=_head_top(target, proposal),
         )
         with clock.handed_out():
             yield record
         context.extend(tokens)
         produced += len(tokens)
         if drafter is not None:
-            drafter.observe(context, result.accepted, hidden[result.accepted])
+            drafter.observe(context, result.accepted, hidden[rows[: len(tokens)]])
             if cfg.adaptive:
                 k = next_k(k, result.accepted, drafted)
         step_index += 1

@@ -72,6 +72,12 @@ class Step:
     draft_s: float
     verify_s: float
     end_s: float  # when its tokens were emitted, since the request started
+    # a tree of drafts (MTP tree drafting); all empty for a chain
+    draft_parents: tuple[int, ...] = ()  # parent of each draft (-1: the last context token)
+    accepted_nodes: tuple[int, ...] = ()  # indices of the accepted drafts, root to leaf
+    draft_ranks: tuple[tuple[int, ...], ...] = ()  # each draft's path of ranks in head_top
+    # MTP: each head's top candidates (its proposal first), per draft depth
+    head_top: tuple[tuple[TopToken, ...], ...] = ()
 
     @property
     def emitted_token_ids(self) -> tuple[int, ...]:

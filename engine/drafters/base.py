@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from engine.errors import InputError
 from engine.models import LoadedModel
+from engine.mtp.tree import prune
 from engine.sampling import SamplingConfig
 
 
@@ -18,6 +19,26 @@ class DraftProposal:
     token_ids: torch.Tensor  # (k',) drafted tokens, k' <= k (a drafter may find nothing to propose)
     probs: torch.Tensor | None  # (k', V) draft_probs after the shared transform; None: one-hot
     extra: dict = field(default_factory=dict)  # drafter-specific detail kept in the trace
+    # a tree of drafts (engine.mtp.tree): parents[i] is draft i's parent, -1 the last context
+    # token; None: a chain. Trees are verified greedily.
+    parents: tuple[int, ...] | None = None
+    # the drafter's distribution at each draft depth when it does not depend on the path
+    # (MTP heads: one row per head), (depth, V); the step records each row's top candidates
+    head_probs: torch.Tensor | None = None
+    ranks: tuple[tuple[int, ...], ...] = ()  # tree drafts: each draft's path of ranks in head_probs
+
+    def within(self, k: int) -> DraftProposal:
+        """This proposal cut to draft length k: a chain's first k drafts, a tree's drafts at
+        depth <= k."""
+        heads = None if self.head_probs is None else self.head_probs[:k]
+        if self.parents is None:
+            probs = None if self.probs is None else self.probs[:k]
+            return replace(self, token_ids=self.token_ids[:k], probs=probs, head_probs=heads)
+        keep, parents = prune(self.parents, k)
+        return replace(
+            self, token_ids=self.token_ids[keep], probs=None if self.probs is None else self.probs[keep],
+            parents=parents, head_probs=heads, ranks=tuple(self.ranks[i] for i in keep) if self.ranks else (),
+        )
 
 
 class Drafter(Protocol):
@@ -31,8 +52,10 @@ class Drafter(Protocol):
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         """Told after the prefill (accepted = 0) and after each step: the new context, how many
-        drafts were kept, and the target's final hidden state (H,) at the position whose logits
-        chose the last token of context (MTP heads draft from it; others may ignore it)."""
+        drafts were kept, and the target's final hidden states (n, H) at the positions whose
+        logits chose the last n tokens of context (n = the prompt length after the prefill, the
+        step's emitted count after a step). MTP heads draft from the last row; native MTP layers
+        need every row; others may ignore it."""
         ...
 
 
@@ -41,7 +64,7 @@ class DrafterSpec:
     """What a run asks for; each drafter reads the fields it needs."""
 
     method: str
-    draft: str | None = None  # draft-model: preset, folder or hub id of the draft model
+    draft: str | None = None  # draft-model: preset, folder or hub id; mtp: a folder of trained heads
     ngram_max: int = 3  # prompt-lookup: longest n-gram matched
     ngram_min: int = 1  # prompt-lookup: shortest n-gram matched
     exit_layer: int = 0  # early-exit: layers used (0: a quarter of the target's layers)
