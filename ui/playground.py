@@ -67,6 +67,8 @@ def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p
 
 def readout(session: RunSession, render_ms: float) -> str:
     if not session.steps:
+        if session.replay:
+            return "Replaying a saved trace (no model): press Step or Play. Reset to go back to live runs."
         return "Nothing generated yet."
     m = summary(session.steps, session.prefill)
     last = session.steps[-1]
