@@ -30,6 +30,22 @@ def draft_acceptance_rate(steps: Sequence[Step]) -> float | None:
     return accepted_tokens(steps) / drafted if drafted else None
 
 
+def per_token_acceptance(steps: Sequence[Step]) -> float | None:
+    """Estimate of Leviathan et al.'s alpha (the chance one drafted token is accepted): accepted /
+    examined, where drafts after a step's first rejection were never examined. It feeds the
+    speedup formula; accepted / drafted (draft_acceptance_rate) is lower for k > 1 because it
+    counts the unexamined drafts as failures.
+
+    >>> from types import SimpleNamespace as S
+    >>> per_token_acceptance([S(index=1, k=4, accepted=1), S(index=2, k=4, accepted=4)])
+    0.8333333333333334
+    """
+    vs = verify_steps(steps)
+    accepted = sum(s.accepted for s in vs)
+    examined = accepted + sum(1 for s in vs if s.accepted < s.k)
+    return accepted / examined if examined else None
+
+
 def mean_acceptance_length(steps: Sequence[Step]) -> float | None:
     """Output tokens per verification step (counts the recovered/bonus token): 1.0 for plain
     decoding, up to k + 1."""
@@ -121,6 +137,7 @@ def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_ste
     itl = itl_per_token_s(steps)
     decode_s = wall - ttft_s(steps) if steps else 0.0
     rate = draft_acceptance_rate(steps)
+    alpha = per_token_acceptance(steps)
     c = cost_ratio(steps, baseline_step_s)
     k_values = [s.k for s in verify_steps(steps) if s.k > 0]
     mean_k = statistics.mean(k_values) if k_values else 0
@@ -138,10 +155,11 @@ def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_ste
         "drafted_tokens": drafted_tokens(steps),
         "accepted_tokens": accepted_tokens(steps),
         "draft_acceptance_rate": rate,
+        "per_token_acceptance": alpha,
         "mean_acceptance_length": mean_acceptance_length(steps),
         "per_position_acceptance": per_position_acceptance(steps),
         "cost_ratio": c,
-        "predicted_speedup": predicted_speedup(rate, round(mean_k), c) if rate is not None and c is not None else None,
+        "predicted_speedup": predicted_speedup(alpha, round(mean_k), c) if alpha is not None and c is not None else None,
     }
 
 

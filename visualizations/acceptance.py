@@ -107,9 +107,9 @@ def theory_chart_for(
     steps: Sequence[Step], *, baseline_step_s: float | None = None, measured_speedup: float | None = None,
     k_max: int = K_MAX,
 ) -> go.Figure:
-    """theory_chart for a run: a, c, the run's mean k and its mean acceptance length from
+    """theory_chart for a run: a (the per-token acceptance estimate), c, the run's mean k and its mean acceptance length from
     engine.metrics; measured_speedup is the wall-clock ratio against a baseline run, if any."""
-    rate = metrics.draft_acceptance_rate(steps)
+    rate = metrics.per_token_acceptance(steps)
     c = metrics.cost_ratio(steps, baseline_step_s)
     if rate is None or c is None:
         return note_figure("Theory", "No drafted tokens yet: the curves need an acceptance rate")
