@@ -21,7 +21,7 @@ from engine.trace import Step
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
 # subcommands defined next to what they run; each module has register(subparsers)
-SUBCOMMAND_MODULES: tuple[str, ...] = ("engine.serving.cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("engine.serving.cli", "engine.bench.cli", "engine.profiling")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
