@@ -10,6 +10,7 @@ import os
 import gradio as gr
 
 from ui.playground import build_playground
+from ui.prefill import build_prefill
 from ui.status import build_status
 
 TITLE = "Speculative Decoding Lab"
@@ -25,9 +26,11 @@ def build_app() -> gr.Blocks:
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"# {TITLE}\n{INTRO}")
         build_status(demo)
-        with gr.Tabs():
+        with gr.Tabs() as tabs:  # the lessons tab switches tabs: gr.Tabs(selected=...) as an output
             with gr.Tab("Playground", id="playground"):
                 build_playground()
+            with gr.Tab("Chunked prefill", id="prefill"):
+                build_prefill()
     demo.queue(default_concurrency_limit=int(os.environ.get("SPECLAB_CONCURRENCY", "2")), max_size=64)
     return demo
 

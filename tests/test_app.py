@@ -1,6 +1,7 @@
 """The app as users reach it: launched for real, driven through its own API client."""
 
 import json
+import time
 
 import pytest
 from gradio_client import Client, handle_file
@@ -11,7 +12,8 @@ pytestmark = [pytest.mark.app, pytest.mark.embedded]
 
 SETTINGS = dict(prompt="Repeat exactly: red, green, blue, red, green, blue.", preset="embedded",
                 method="prompt-lookup", k=4, adaptive=False, temperature=0, top_k=0, top_p=1, seed=0,
-                max_new_tokens=12, raw=False, rule="exact")
+                max_new_tokens=12, raw=False, rule="exact", tree="chain")
+PREFILL = dict(preset="embedded", scenario="doc-arrives", max_new_tokens=2)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def client():
 
 
 def test_generation_is_answered_through_the_api(client):
-    stream, readout, table, top, residual = client.predict(api_name="/run", speed_s=0, **SETTINGS)
+    stream, readout, table, top, residual, tree = client.predict(api_name="/run", speed_s=0, **SETTINGS)
     assert "sdl-stream" in stream and "tokens/s" in readout and "TTFT" in readout
     assert "12 tokens" in readout or "finished (eos)" in readout
 
@@ -60,3 +62,50 @@ def test_bad_input_gets_a_message_and_the_app_stays_usable(client, tmp_path):
         client.predict(handle_file(str(bad)), api_name="/upload_trace")
     client.predict(api_name="/reset")
     assert "tokens/s" in client.predict(api_name="/run", speed_s=0, **SETTINGS)[1]
+
+
+def test_play_streams_round_by_round_and_stop_ends_it(client):
+    client.predict(api_name="/reset")
+    job = client.submit(api_name="/play", speed_s=1.0, **dict(SETTINGS, max_new_tokens=40))
+    deadline = time.time() + 120
+    while not job.outputs() and time.time() < deadline:
+        time.sleep(0.2)
+    client.predict(api_name="/stop")
+    readout = job.result(timeout=120)[1]
+    assert "finished (stopped)" in readout
+    assert len(job.outputs()) >= 2  # one update per round, then the final one
+
+
+def test_compare_runs_baseline_then_speculative_and_greedy_outputs_are_identical(client):
+    client.predict(api_name="/reset")
+    *current, baseline, speculative, verdict = client.predict(api_name="/compare", **SETTINGS)
+    assert "outputs identical" in verdict and "measured speedup" in verdict
+    assert "**baseline**" in verdict and "tokens/s" in verdict
+    assert "sdl-stream" in baseline and "sdl-stream" in speculative
+    # the speculative run is now the current run: its views, charts and trace
+    assert "target steps" in current[1]
+    assert len(client.predict(api_name="/charts")) == 5
+    trace = json.loads(open(client.predict(api_name="/download_trace"), encoding="utf-8").read())
+    assert trace["info"]["method"] == "prompt-lookup"
+    with pytest.raises(Exception, match="choose a drafter"):
+        client.predict(api_name="/compare", **dict(SETTINGS, method="baseline"))
+
+
+def test_chunked_prefill_compares_two_settings_and_streams_the_timeline(client):
+    job = client.submit(api_name="/prefill_compare", policy="none", chunk_size=512, policy_b="decode-first",
+                        chunk_size_b=512, **PREFILL)
+    progress, timeline_a, timeline_b, table, ttft, itl_time, itl_dist = job.result(timeout=600)
+    assert progress.startswith("Done.") and "A: none" in progress and "B: decode-first, chunk 512" in progress
+    assert [row[0] for row in table["data"]] == ["A: none (no chunking)", "B: decode-first, chunk 512"]
+    assert timeline_a and timeline_b and ttft and itl_time and itl_dist
+    assert len(job.outputs()) > 1  # the timeline was streamed while the runs went
+
+
+def test_chunked_prefill_bad_input_gets_a_message(client):
+    with pytest.raises(Exception, match="minimum value 16"):
+        client.predict(api_name="/prefill_run", policy="decode-first", chunk_size=3, **PREFILL)
+    with pytest.raises(Exception, match="chunk size must be a whole number"):
+        client.predict(api_name="/prefill_run", policy="decode-first", chunk_size=100.5, **PREFILL)
+    with pytest.raises(Exception, match="nope"):
+        client.predict(api_name="/prefill_run", policy="decode-first", chunk_size=64,
+                       **dict(PREFILL, scenario="nope"))

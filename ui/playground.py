@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gradio as gr
 
@@ -11,29 +12,49 @@ from engine.acceptance import AcceptRule
 from engine.decoding import MAX_K, DecodeConfig
 from engine.drafters import DrafterSpec, drafter_names
 from engine.errors import InputError
-from engine.metrics import summary
+from engine.metrics import summary, verify_steps
 from engine.models import load_model
 from engine.run import RunRequest
 from engine.sampling import SamplingConfig
 from engine.session import RunSession
-from engine.trace import trace_from_json, trace_to_json
+from engine.mtp.tree import tree_shapes
+from engine.trace import Step, trace_from_json, trace_to_json
 from ui.common import as_float, as_int, default_preset, preset_choices, temp_file, user_errors
 from visualizations import (
     accepted_histogram,
+    mtp_tree_figure,
     per_position_chart,
     theory_chart_for,
     token_stream_html,
     tokens_vs_steps_chart,
+    trace_timeline,
     verify_view,
 )
 
 UI_MAX_NEW_TOKENS = 512  # the cap shown on the slider; the engine's own limit is higher
 DEFAULT_PROMPT = "Rewrite this sentence in plain words: The quick brown fox jumps over the lazy dog."
 PENDING_PAUSE_S = 0.35  # how long a step's drafts show before the verdict
+CHAIN = "chain"  # the tree-shape choice for drafting a chain (every drafter but mtp drafts one)
 
 
 def methods() -> list[str]:
     return ["baseline", *drafter_names()]
+
+
+def tree_choices() -> list[str]:
+    return [CHAIN, *tree_shapes()]
+
+
+@dataclass
+class Comparison:
+    """Plain decoding (the baseline), then speculative decoding, on the same prompt and settings;
+    run one after the other so neither slows the other down."""
+
+    baseline: RunSession
+    speculative: RunSession
+
+    def sessions(self) -> list[RunSession]:
+        return [self.baseline, self.speculative]
 
 
 @dataclass
@@ -43,16 +64,27 @@ class PlaygroundState:
     session: RunSession | None = None
     settings: tuple | None = None  # the settings the session was started with
     render_ms: float = 0.0  # time to build the views of the last step
+    compare: Comparison | None = None  # the last comparison; its speculative run becomes `session`
+
+    def sessions(self) -> list[RunSession]:
+        runs = [self.session, *(self.compare.sessions() if self.compare else ())]
+        return [s for s in runs if s is not None]
+
+    def close(self) -> None:
+        for session in self.sessions():
+            session.close()
 
 
 def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw,
-                  rule) -> RunRequest:
+                  rule, tree) -> RunRequest:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError("the prompt is empty: type something to continue")
     if preset not in preset_choices():
         raise InputError(f"unknown preset {preset!r} (choose one of {', '.join(preset_choices())})")
     if method not in methods():
         raise InputError(f"unknown method {method!r}")
+    if tree not in tree_choices():
+        raise InputError(f"unknown tree shape {tree!r} (choose one of {', '.join(tree_choices())})")
     max_new = as_int(max_new_tokens, "max new tokens")
     if max_new > UI_MAX_NEW_TOKENS:
         raise InputError(f"max new tokens is capped at {UI_MAX_NEW_TOKENS} here (got {max_new})")
@@ -62,7 +94,8 @@ def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p
     )
     decode = DecodeConfig(max_new_tokens=max_new, k=as_int(k, "k"), adaptive=bool(adaptive), sampling=sampling,
                           rule=AcceptRule(rule))
-    return RunRequest(prompt=prompt, model=preset, raw=bool(raw), decode=decode, drafter=DrafterSpec(method))
+    drafter = DrafterSpec(method, tree=None if tree == CHAIN else tree)
+    return RunRequest(prompt=prompt, model=preset, raw=bool(raw), decode=decode, drafter=drafter)
 
 
 def readout(session: RunSession, render_ms: float) -> str:
@@ -90,8 +123,21 @@ def readout(session: RunSession, render_ms: float) -> str:
     return " · ".join(p for p in parts if p)
 
 
+def tree_view(steps: list[Step]):
+    """The last step's MTP proposal tree with its accepted path, or None when the step drafted
+    no tree (a chain, or another drafter)."""
+    step = steps[-1]
+    if not step.head_top or not step.draft_ranks:
+        return None
+    heads = [[(t.text, t.prob) for t in depth] for depth in step.head_top]
+    accepted = step.accepted_nodes or tuple(range(step.accepted))
+    path = step.draft_ranks[accepted[-1]] if accepted else ()
+    root = steps[-2].emitted[-1].text if len(steps) > 1 else "context"
+    return mtp_tree_figure(heads, path, tree=step.draft_ranks, root_text=root)
+
+
 def views(state: PlaygroundState, pending: bool = False):
-    """Everything the tab shows for the current session: stream, readout, verify detail.
+    """Everything the tab shows for the current session: stream, readout, verify detail, MTP tree.
     pending: show the last step's drafts only, before its verdict."""
     session = state.session
     begin = time.perf_counter()
@@ -101,18 +147,92 @@ def views(state: PlaygroundState, pending: bool = False):
         stream = token_stream_html(steps[:-1], pending=last)
     else:
         stream = token_stream_html(steps)
-    detail = verify_view(last) if last is not None and last.k > 0 and not pending else None
+    verdict_shown = last is not None and last.k > 0 and not pending
+    detail = verify_view(last) if verdict_shown else None
+    tree = tree_view(steps) if verdict_shown else None
     state.render_ms = (time.perf_counter() - begin) * 1000
     text = readout(session, state.render_ms) if session else "Nothing generated yet."
+    tree_update = gr.update(value=tree, visible=tree is not None)
     if detail is None:
-        return stream, text, None, None, None
-    return stream, text, detail.table, detail.target_top, detail.residual
+        return stream, text, None, None, None, tree_update
+    return stream, text, detail.table, detail.target_top, detail.residual, tree_update
 
 
-def charts(state: PlaygroundState):
-    steps = state.session.steps if state.session else []
-    return (per_position_chart(steps), accepted_histogram(steps), tokens_vs_steps_chart(steps),
-            theory_chart_for(steps))
+def side_readout(label: str, session: RunSession) -> str:
+    if not session.steps:
+        return f"**{label}**: {'stopped' if session.finished else 'waiting'}"
+    m = summary(session.steps, session.prefill)
+    rate = f"**{m['tokens_per_s']:.1f} tokens/s**" if m["tokens_per_s"] else "…"
+    done = " · finished" if session.finished else ""
+    return f"**{label}**: {m['output_tokens']} tokens in {m['target_steps']} target steps · {rate}{done}"
+
+
+def speedups(c: Comparison) -> tuple[float, float | None] | None:
+    """Measured wall-clock speedup of the speculative run over the baseline: end to end
+    (tokens/s with the prefill), and decode only (after the first token); None until both ran."""
+    base = summary(c.baseline.steps, c.baseline.prefill)
+    spec = summary(c.speculative.steps, c.speculative.prefill)
+    if not base["tokens_per_s"] or not spec["tokens_per_s"]:
+        return None
+    decode = None
+    if base["decode_tokens_per_s"] and spec["decode_tokens_per_s"]:
+        decode = spec["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    return spec["tokens_per_s"] / base["tokens_per_s"], decode
+
+
+def identity_check(c: Comparison) -> str:
+    """Greedy speculative decoding must reproduce plain greedy decoding token for token."""
+    base, spec = c.baseline.trace().output_token_ids, c.speculative.trace().output_token_ids
+    if not c.speculative.request.decode.sampling.greedy:
+        return ("sampled (temperature > 0): the two outputs may differ; speculative sampling keeps the "
+                "target's distribution, not its draws")
+    if base == spec:
+        return f"✅ **outputs identical**: {len(spec)} tokens, token for token"
+    diverge = next((i for i, (a, b) in enumerate(zip(base, spec)) if a != b), min(len(base), len(spec)))
+    return f"❌ **outputs differ** from output token {diverge}"
+
+
+def comparison_readout(c: Comparison) -> str:
+    lines = [side_readout("baseline", c.baseline), side_readout(f"speculative ({c.speculative.info.method})",
+                                                                c.speculative)]
+    if c.baseline.stop_reason == "stopped" or c.speculative.stop_reason == "stopped":
+        lines.append("stopped before both runs finished")
+    elif c.baseline.finished and c.speculative.finished:
+        lines.append(identity_check(c))
+        ratios = speedups(c)
+        if ratios:
+            end_to_end, decode = ratios
+            decode_text = f" (decode only {decode:.2f}×)" if decode else ""
+            lines.append(f"measured speedup **{end_to_end:.2f}×** end to end{decode_text}, one run each")
+        if c.speculative.info.lossy:
+            lines.append("**LOSSY acceptance: the output distribution is not the target's**")
+    return "\n\n".join(lines)
+
+
+def compare_views(c: Comparison | None):
+    if c is None:
+        return token_stream_html([], legend=False), token_stream_html([]), "Nothing compared yet."
+    return (token_stream_html(c.baseline.steps, legend=False), token_stream_html(c.speculative.steps),
+            comparison_readout(c))
+
+
+def charts(state: PlaygroundState | None):
+    """Acceptance charts and the timeline of the current run; after a comparison, its baseline
+    joins the tokens-vs-steps chart and the theory chart shows the measured speedup."""
+    state = state or PlaygroundState()
+    session = state.session
+    steps = session.steps if session else []
+    prefill = session.prefill if session else []
+    baseline, base_step_s, measured = [], None, None
+    c = state.compare
+    if c is not None and session is c.speculative and c.baseline.finished and verify_steps(c.baseline.steps):
+        baseline = c.baseline.steps
+        base_step_s = statistics.median(s.verify_s for s in verify_steps(baseline))
+        ratios = speedups(c)
+        measured = ratios[1] if ratios else None
+    return (per_position_chart(steps), accepted_histogram(steps), tokens_vs_steps_chart(steps, baseline),
+            theory_chart_for(steps, baseline_step_s=base_step_s, measured_speedup=measured),
+            trace_timeline(steps, prefill))
 
 
 def _session_for(state: PlaygroundState | None, settings: tuple) -> PlaygroundState:
@@ -120,19 +240,20 @@ def _session_for(state: PlaygroundState | None, settings: tuple) -> PlaygroundSt
     state = state or PlaygroundState()
     session = state.session
     if session is None or session.finished or (not session.replay and state.settings != settings):
-        if session is not None:
-            session.close()
         request = build_request(*settings)
         load_model(request.model)
+        state.close()
         state.session = RunSession.live(request)
         state.settings = settings
     return state
 
 
 @user_errors
-def step(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule):
+def step(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
+         tree):
     """One draft/verify round: the drafts appear, then the verdict."""
-    settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule)
+    settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
+                tree)
     state = _session_for(state, settings)
     record = state.session.advance()
     if record is not None and record.k > 0:
@@ -143,9 +264,10 @@ def step(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, 
 
 @user_errors
 def play(state, speed_s, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw,
-         rule):
+         rule, tree):
     """Stream rounds live; speed_s is the pause between rounds (0: as fast as the model goes)."""
-    settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule)
+    settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
+                tree)
     state = _session_for(state, settings)
     pause = max(0.0, min(2.0, as_float(speed_s, "speed")))
     while state.session.advance() is not None:
@@ -155,15 +277,43 @@ def play(state, speed_s, prompt, preset, method, k, adaptive, temperature, top_k
     yield (state, *views(state))
 
 
+@user_errors
+def compare(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
+            tree):
+    """Baseline, then speculative decoding, on the same prompt, each streamed live with its
+    tokens/s; then the measured speedup and, for greedy decoding, whether the outputs are
+    identical. The speculative run becomes the current run (verify table, charts, trace)."""
+    settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
+                tree)
+    if method == "baseline":
+        raise InputError("choose a drafter as the method: it is compared with the baseline")
+    speculative = build_request(*settings)
+    load_model(speculative.model)
+    state = state or PlaygroundState()
+    state.close()
+    state.compare = Comparison(RunSession.live(replace(speculative, drafter=DrafterSpec("baseline"))),
+                               RunSession.live(speculative))
+    state.session, state.settings = None, None
+    unchanged = [gr.skip()] * 6  # the current-run views wait until the speculative run is done
+    for run in state.compare.sessions():  # one after the other, so each one's timing is its own
+        while run.advance() is not None:
+            yield (state, *unchanged, *compare_views(state.compare))
+        if run.stop_reason == "stopped":
+            break
+    state.close()  # a stopped comparison leaves the run it never started unstarted
+    state.session, state.settings = state.compare.speculative, settings
+    yield (state, *views(state), *compare_views(state.compare))
+
+
 def reset(state):
-    if state and state.session:
-        state.session.close()
-    return (PlaygroundState(), *views(PlaygroundState()), None)
+    if state:
+        state.close()
+    return (PlaygroundState(), *views(PlaygroundState()), None, *compare_views(None))
 
 
 def stop(state):
-    if state and state.session:
-        state.session.stop()
+    for session in state.sessions() if state else []:
+        session.stop()
     return state
 
 
@@ -181,8 +331,8 @@ def upload_trace(state, file):
     with open(file if isinstance(file, str) else file.name, "rb") as fh:
         data = fh.read(25_000_000)
     trace = trace_from_json(data)
-    if state and state.session:
-        state.session.close()
+    if state:
+        state.close()
     state = PlaygroundState(session=RunSession.from_trace(trace))
     return (state, *views(state))
 
@@ -205,25 +355,36 @@ def build_playground():
             with gr.Row():
                 top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
                 seed = gr.Number(0, label="seed", precision=0)
-            max_new = gr.Slider(1, UI_MAX_NEW_TOKENS, value=64, step=1, label=f"max new tokens (cap {UI_MAX_NEW_TOKENS})")
+            max_new = gr.Slider(1, UI_MAX_NEW_TOKENS, value=64, step=1,
+                                label=f"max new tokens (cap {UI_MAX_NEW_TOKENS})")
             with gr.Row():
                 raw = gr.Checkbox(False, label="raw text (no chat template)")
                 rule = gr.Radio([r.value for r in AcceptRule], value="exact", label="acceptance (typical is LOSSY)")
+            tree = gr.Dropdown(tree_choices(), value=CHAIN, label="MTP tree shape (mtp, greedy only)")
             speed = gr.Slider(0, 2, value=0.3, step=0.05, label="play speed (pause between rounds, s)")
         with gr.Column(scale=2):
             with gr.Row():
                 step_btn = gr.Button("Step", variant="primary", elem_id="step-btn")
                 play_btn = gr.Button("Play", elem_id="play-btn")
                 run_btn = gr.Button("Generate (run to end)", elem_id="run-btn")
+                compare_btn = gr.Button("Compare with baseline", elem_id="compare-btn")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
                 reset_btn = gr.Button("Reset", elem_id="reset-btn")
             info = gr.Markdown("Nothing generated yet.", elem_id="readout", label="readout")
             stream = gr.HTML(token_stream_html([]), elem_id="token-stream", label="token stream")
-            with gr.Accordion("Verify table of the last step", open=True):
+            with gr.Accordion("Verify table of the last step", open=True, elem_id="verify-accordion"):
                 table = gr.Dataframe(label="drafted positions", interactive=False)
                 top = gr.Dataframe(label="target's top-5 where it emitted its own token", interactive=False)
                 residual = gr.Plot(label="residual distribution at the rejection")
-            with gr.Accordion("Acceptance charts", open=False):
+                tree_plot = gr.Plot(label="MTP tree of the last step", visible=False, elem_id="mtp-tree")
+            with gr.Accordion("Baseline vs speculative (same prompt, run one after the other)", open=False,
+                              elem_id="compare-accordion"):
+                compare_info = gr.Markdown("Nothing compared yet.", elem_id="compare-readout")
+                with gr.Row():
+                    base_stream = gr.HTML(token_stream_html([], legend=False), label="baseline",
+                                          elem_id="compare-baseline")
+                    spec_stream = gr.HTML(token_stream_html([]), label="speculative", elem_id="compare-speculative")
+            with gr.Accordion("Acceptance charts and timeline", open=False, elem_id="charts-accordion"):
                 charts_btn = gr.Button("Update charts")
                 with gr.Row():
                     per_pos = gr.Plot()
@@ -231,21 +392,30 @@ def build_playground():
                 with gr.Row():
                     tokens_steps = gr.Plot()
                     theory = gr.Plot()
+                timeline = gr.Plot(elem_id="run-timeline")
             with gr.Accordion("Trace: download, or upload one to replay without a model", open=False):
                 with gr.Row():
                     download_btn = gr.Button("Prepare download")
                     trace_file = gr.File(label="trace JSON", interactive=False)
                 upload = gr.File(label="upload a trace JSON to replay", file_types=[".json"], type="filepath")
 
-    settings = [prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new, raw, rule]
-    shown = [state, stream, info, table, top, residual]
+    settings = [prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new, raw, rule, tree]
+    shown = [state, stream, info, table, top, residual, tree_plot]
+    compared = [base_stream, spec_stream, compare_info]
+    chart_plots = [per_pos, hist, tokens_steps, theory, timeline]
     step_btn.click(step, [state, *settings], shown, api_name="step", concurrency_id="model")
-    play_btn.click(play, [state, speed, *settings], shown, api_name="play", concurrency_id="model")
-    run_btn.click(play, [state, gr.Number(0.0, visible=False), *settings], shown, api_name="run", concurrency_id="model")
+    played = play_btn.click(play, [state, speed, *settings], shown, api_name="play", concurrency_id="model")
+    ran = run_btn.click(play, [state, gr.Number(0.0, visible=False), *settings], shown, api_name="run",
+                        concurrency_id="model")
+    compared_run = compare_btn.click(compare, [state, *settings], [*shown, *compared], api_name="compare",
+                                     concurrency_id="model")
+    for event in (played, ran, compared_run):
+        event.success(charts, [state], chart_plots, api_name=False)
     stop_btn.click(stop, [state], [state], api_name="stop", queue=False)
-    reset_btn.click(reset, [state], [*shown, trace_file], api_name="reset")
-    charts_btn.click(charts, [state], [per_pos, hist, tokens_steps, theory], api_name="charts")
+    reset_btn.click(reset, [state], [*shown, trace_file, *compared], api_name="reset")
+    charts_btn.click(charts, [state], chart_plots, api_name="charts")
     download_btn.click(download_trace, [state], [trace_file], api_name="download_trace")
     upload.upload(upload_trace, [state, upload], shown, api_name="upload_trace")
     return {"prompt": prompt, "preset": preset, "method": method, "k": k, "temperature": temperature,
-            "max_new_tokens": max_new, "state": state}
+            "max_new_tokens": max_new, "state": state, "adaptive": adaptive, "seed": seed, "rule": rule,
+            "top_k": top_k, "top_p": top_p, "raw": raw, "tree": tree}

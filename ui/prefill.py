@@ -1,0 +1,267 @@
+"""Chunked prefill tab: requests arrive, a policy packs prefill chunks and decodes into each
+engine step; watch the timeline fill, then compare TTFT and ITL of two settings."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import gradio as gr
+
+from engine.errors import InputError
+from engine.models import LoadedModel, load_model
+from engine.serving import (
+    Policy,
+    RequestRecord,
+    ServeConfig,
+    ServeResult,
+    ServeStep,
+    Workload,
+    builtin_workloads,
+    load_workload,
+    serve,
+    summary,
+)
+from ui.common import as_int, default_preset, preset_choices, user_errors
+from visualizations import itl_distribution_chart, itl_over_time_chart, serving_timeline, ttft_chart
+
+CHUNK_RANGE = (16, 2048)  # smaller chunks make a long prompt take hundreds of steps
+MAX_NEW_RANGE = (0, 256)  # 0: each request keeps the scenario's own limit
+REFRESH_S = 0.3  # how often the timeline is redrawn while a run is going
+SUMMARY_COLUMNS = ["setting", "token budget", "steps", "short ITL p50 (ms)", "short ITL p99 (ms)",
+                   "short ITL max (ms)", "long TTFT p50 (ms)", "output tokens/s", "decodes during a prefill"]
+
+
+class ServeRun:
+    """One serving run on a background thread. The serving loop runs on a real clock, so the
+    UI must never hold it up between two steps: it only reads the records collected so far."""
+
+    def __init__(self, target: LoadedModel, workload: Workload, cfg: ServeConfig):
+        self.target, self.workload, self.cfg = target, workload, cfg
+        self.steps: list[ServeStep] = []
+        self.finished: dict[str, RequestRecord] = {}
+        self.error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="speclab-serve")
+        self._thread.start()
+
+    def _run(self) -> None:
+        records = serve(self.target, self.workload, self.cfg)
+        try:
+            for record in records:
+                if self._stop.is_set():
+                    break
+                if isinstance(record, ServeStep):
+                    self.steps.append(record)
+                else:
+                    self.finished[record.request_id] = record
+        except Exception as err:  # handed to the UI thread, which raises it
+            self.error = err
+        finally:
+            records.close()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the run has ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def requests_so_far(self) -> list:
+        """Finished requests' records, and the arrived unfinished ones as partial records."""
+        now = self.steps[-1].end_s if self.steps else 0.0
+        return [self.finished.get(r.request_id) or {"request_id": r.request_id, "cls": r.cls.value,
+                                                    "arrival_s": r.arrival_s, "first_token_s": None}
+                for r in self.workload.requests if r.request_id in self.finished or r.arrival_s <= now]
+
+    def result(self) -> ServeResult:
+        """The records of a completed run, as engine.serving.run_serve collects them."""
+        requests = tuple(self.finished[r.request_id] for r in self.workload.requests)
+        return ServeResult(
+            model=self.target.name, device=self.target.device, dtype=str(self.target.dtype).removeprefix("torch."),
+            workload=self.workload, config=self.cfg, token_budget=self.cfg.budget([r.prompt_tokens for r in requests]),
+            steps=tuple(self.steps), requests=requests,
+        )
+
+
+@dataclass
+class PrefillState:
+    """Per-browser-session state (kept in gr.State): the run in progress, so Stop can reach it."""
+
+    running: ServeRun | None = None
+    stopped: bool = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.running is not None:
+            self.running.stop()
+
+
+def scenario_choices() -> list[str]:
+    return builtin_workloads()
+
+
+def describe(scenario: str) -> str:
+    if scenario not in scenario_choices():
+        return ""
+    workload = load_workload(scenario)
+    classes = [r.cls.value for r in workload.requests]
+    counts = ", ".join(f"{classes.count(c)} {c}" for c in dict.fromkeys(classes))
+    return f"{workload.description}\n\n{len(classes)} requests ({counts})."
+
+
+def serve_config(policy, chunk_size, max_new_tokens) -> ServeConfig:
+    try:
+        chosen = Policy(policy)
+    except ValueError:
+        raise InputError(f"unknown policy {policy!r} (choose one of {', '.join(p.value for p in Policy)})") from None
+    chunk = as_int(chunk_size, "chunk size")
+    if not CHUNK_RANGE[0] <= chunk <= CHUNK_RANGE[1]:
+        raise InputError(f"chunk size must be in {CHUNK_RANGE[0]}..{CHUNK_RANGE[1]} tokens here (got {chunk})")
+    max_new = as_int(max_new_tokens, "max new tokens")
+    if not MAX_NEW_RANGE[0] <= max_new <= MAX_NEW_RANGE[1]:
+        raise InputError(f"max new tokens must be in {MAX_NEW_RANGE[0]}..{MAX_NEW_RANGE[1]} (got {max_new})")
+    return ServeConfig(policy=chosen, chunk_size=chunk, max_new_tokens=max_new or None)
+
+
+def setting_label(side: str, cfg: ServeConfig) -> str:
+    if cfg.policy is Policy.NONE:
+        return f"{side}: none (no chunking)"
+    return f"{side}: {cfg.policy.value}, chunk {cfg.chunk_size}"
+
+
+def progress_text(label: str, run: ServeRun) -> str:
+    steps = run.steps
+    clock = f" · {steps[-1].end_s:.2f} s" if steps else ""
+    state = "stopped" if run.stopped else "running"
+    return (f"**{label}** ({state}): {len(steps)} steps · {len(run.finished)}/{len(run.workload.requests)} "
+            f"requests finished{clock}")
+
+
+def summary_rows(results: dict[str, ServeResult]) -> list[list]:
+    rows = []
+    for label, result in results.items():
+        s = summary(result)
+        short, long = s["by_class"]["short"], s["by_class"]["long"]
+        rows.append([label, s["token_budget"], s["steps"], _round(short["itl_ms_p50"]), _round(short["itl_ms_p99"]),
+                     _round(short["itl_ms_max"]), _round(long["ttft_ms_p50"]), _round(s["output_tokens_per_s"]),
+                     "yes" if s["decode_traffic_active"] else "no"])
+    return rows
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def final_views(results: dict[str, ServeResult]):
+    runs = {label: result.requests for label, result in results.items()}
+    table = {"headers": SUMMARY_COLUMNS, "data": summary_rows(results)}
+    return table, ttft_chart(runs), itl_over_time_chart(runs), itl_distribution_chart(runs)
+
+
+def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[str, object, object]]):
+    """Run each (side, policy, chunk size) in turn on the same scenario, streaming its timeline."""
+    if preset not in preset_choices():
+        raise InputError(f"unknown preset {preset!r} (choose one of {', '.join(preset_choices())})")
+    if scenario not in scenario_choices():
+        raise InputError(f"unknown scenario {scenario!r} (choose one of {', '.join(scenario_choices())})")
+    configs = [(setting_label(side, cfg), cfg)
+               for side, cfg in ((side, serve_config(p, c, max_new_tokens)) for side, p, c in settings)]
+    workload = load_workload(scenario)
+    target = load_model(preset)
+    if state is not None:
+        state.stop()
+    state = PrefillState()
+    timelines = [None, None]  # settings A and B side by side
+    results: dict[str, ServeResult] = {}
+    waiting = [gr.skip()] * 4  # summary and latency charts come when the runs are done
+    try:
+        for side, (label, cfg) in enumerate(configs):
+            if state.stopped:
+                break
+            run = state.running = ServeRun(target, workload, cfg)
+            while not run.wait(REFRESH_S):
+                timelines[side] = serving_timeline(run.steps, run.requests_so_far())
+                yield (state, progress_text(label, run), *timelines, *waiting)
+            if run.error is not None:
+                raise run.error
+            timelines[side] = serving_timeline(run.steps, run.requests_so_far())
+            if run.stopped:
+                yield (state, progress_text(label, run), *timelines, *final_views(results))
+                return
+            results[label] = run.result()
+    finally:
+        state.stop()  # also when the page goes away mid-run
+    done = " · ".join(f"**{label}**: {len(r.steps)} steps, {r.steps[-1].end_s:.2f} s" for label, r in results.items())
+    yield (state, f"Done. {done}", *timelines, *final_views(results))
+
+
+@user_errors
+def run_setting(state, preset, scenario, max_new_tokens, policy, chunk_size):
+    """Run setting A on the scenario; the timeline fills as the engine steps."""
+    yield from _run_settings(state, preset, scenario, max_new_tokens, [("A", policy, chunk_size)])
+
+
+@user_errors
+def compare_settings(state, preset, scenario, max_new_tokens, policy, chunk_size, policy_b, chunk_size_b):
+    """Run setting A, then setting B, on the same scenario; timelines side by side, then TTFT and
+    ITL of both."""
+    yield from _run_settings(state, preset, scenario, max_new_tokens,
+                             [("A", policy, chunk_size), ("B", policy_b, chunk_size_b)])
+
+
+def stop(state):
+    if state is not None:
+        state.stop()
+    return state
+
+
+def build_prefill():
+    """Lay out the tab and wire it; returns the components other tabs (lessons) may preset."""
+    state = gr.State(None)
+    policies = [p.value for p in Policy]
+    with gr.Row():
+        with gr.Column(scale=1, min_width=300):
+            preset = gr.Dropdown(preset_choices(), value=default_preset(), label="Model preset")
+            scenario = gr.Dropdown(scenario_choices(), value="doc-arrives", label="Scenario")
+            description = gr.Markdown(describe("doc-arrives"))
+            max_new = gr.Slider(*MAX_NEW_RANGE, value=0, step=1,
+                                label="max new tokens per request (0 = the scenario's own)")
+            with gr.Group():
+                gr.Markdown("**Setting A**")
+                policy = gr.Radio(policies, value=Policy.NONE.value, label="policy")
+                chunk_size = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
+            with gr.Group():
+                gr.Markdown("**Setting B** (for the comparison)")
+                policy_b = gr.Radio(policies, value=Policy.DECODE_FIRST.value, label="policy")
+                chunk_size_b = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
+        with gr.Column(scale=3):
+            with gr.Row():
+                run_btn = gr.Button("Run A", variant="primary", elem_id="prefill-run-btn")
+                compare_btn = gr.Button("Compare A, then B", elem_id="prefill-compare-btn")
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="prefill-stop-btn")
+            progress = gr.Markdown("Choose a scenario and press Run.", elem_id="prefill-progress")
+            with gr.Row():
+                timeline_a = gr.Plot(label="timeline A", elem_id="prefill-timeline-a")
+                timeline_b = gr.Plot(label="timeline B", elem_id="prefill-timeline-b")
+            table = gr.Dataframe(headers=SUMMARY_COLUMNS, label="summary per setting", interactive=False,
+                                 elem_id="prefill-summary")
+            ttft = gr.Plot(label="TTFT", elem_id="prefill-ttft")
+            with gr.Row():
+                itl_time = gr.Plot(label="ITL over time", elem_id="prefill-itl-time")
+                itl_dist = gr.Plot(label="ITL distribution", elem_id="prefill-itl-dist")
+
+    scenario.change(describe, [scenario], [description], api_name=False)
+    shown = [state, progress, timeline_a, timeline_b, table, ttft, itl_time, itl_dist]
+    common = [state, preset, scenario, max_new]
+    run_btn.click(run_setting, [*common, policy, chunk_size], shown, api_name="prefill_run", concurrency_id="model")
+    compare_btn.click(compare_settings, [*common, policy, chunk_size, policy_b, chunk_size_b], shown,
+                      api_name="prefill_compare", concurrency_id="model")
+    stop_btn.click(stop, [state], [state], api_name="prefill_stop", queue=False)
+    return {"scenario": scenario, "policy": policy, "chunk_size": chunk_size, "policy_b": policy_b,
+            "chunk_size_b": chunk_size_b, "max_new_tokens": max_new, "preset": preset, "state": state}
