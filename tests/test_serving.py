@@ -80,7 +80,8 @@ def test_prompts_prefilled_once_within_budget_and_chunk(runs, run):
                   if i.request_id == req.request_id and i.kind is ItemKind.PREFILL]
         covered = [t for start, end in ranges for t in range(start, end)]
         assert covered == list(range(req.prompt_tokens))  # every prompt token exactly once, in order
-        decodes = [s for s in result.steps for i in s.items if i.request_id == req.request_id and i.kind is ItemKind.DECODE]
+        decodes = [i for s in result.steps for i in s.items
+                   if i.request_id == req.request_id and i.kind is ItemKind.DECODE]
         assert len(decodes) == len(req.output_token_ids) - 1  # the last token is never fed back
         assert len(req.token_times_s) == len(req.output_token_ids) and req.first_token_s == req.token_times_s[0]
     for step in result.steps:
@@ -110,7 +111,8 @@ def test_none_runs_whole_prompts_and_decodes_wait(runs):
 
 def decoding_at(step, result):
     """Requests that had their first token before this step and more tokens to come."""
-    return {r.request_id for r in result.requests if r.first_token_s <= step.start_s and r.token_times_s[-1] >= step.end_s}
+    return {r.request_id for r in result.requests
+            if r.first_token_s <= step.start_s and r.token_times_s[-1] >= step.end_s}
 
 
 def test_decode_first_never_makes_a_decode_wait(runs):
@@ -175,7 +177,8 @@ def test_max_new_tokens_override_and_report(tiny):
     assert all(len(r.output_token_ids) == 3 for r in result.requests)
     out = report(result)
     s = out["summary"]
-    assert s["requests"] == 4 and s["output_tokens"] == 12 and s["prefill_tokens"] == sum(s["prompt_tokens"]["short"] + s["prompt_tokens"]["long"])
+    assert s["requests"] == 4 and s["output_tokens"] == 12
+    assert s["prefill_tokens"] == sum(s["prompt_tokens"]["short"] + s["prompt_tokens"]["long"])
     assert s["evidence_class"] == "controlled benchmark" and s["k"] == 0 and s["policy"] == "decode-first"
     assert s["token_budget"] == 6 + 4 and s["step_tokens_max"] <= 10
     assert s["by_class"]["short"]["requests"] == 3 and s["by_class"]["long"]["requests"] == 1
@@ -327,7 +330,8 @@ def test_cli_bad_input_is_one_line(tiny_target):
     assert r.stderr.startswith("error: chunk size must be an integer >= 1") and r.stderr.count("\n") == 1
 
 
-def test_cli_compare_and_text_output(tiny_target, tmp_path, capsys):
+def test_cli_compare_and_text_output(tiny_target, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECLAB_ALLOW_ANY_MODEL", "1")  # what main() sets; restored after the test
     path = tmp_path / "w.json"
     path.write_text(json.dumps(tiny_workload().to_jsonable()))
     assert main(["serve", "--workload", str(path), "--model", tiny_target, "--max-new-tokens", "3"]) == 0
@@ -337,6 +341,7 @@ def test_cli_compare_and_text_output(tiny_target, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [row["run"] for row in out["results"]] == ["none", "decode-first:4"]
     assert out["evidence_class"] == "controlled benchmark" and out["results"][1]["short.itl_ms_p99_median"] is not None
+    assert out["same_outputs_in_every_run"]
     assert main(["serve-compare", "--workload", str(path), "--model", tiny_target, "--runs", "fast:4"]) == 2
 
 

@@ -77,8 +77,9 @@ def _print_summary(s: dict) -> None:
           f"decode traffic during prefill: {'yes' if s['decode_traffic_active'] else 'no'}")
     for cls, c in s["by_class"].items():
         if c["requests"]:
-            print(f"   {cls:<5}: TTFT ms p50/p90/p99 {_fmt(c['ttft_ms_p50'])}/{_fmt(c['ttft_ms_p90'])}/{_fmt(c['ttft_ms_p99'])}"
-                  f", ITL ms p50/p90/p99 {_fmt(c['itl_ms_p50'])}/{_fmt(c['itl_ms_p90'])}/{_fmt(c['itl_ms_p99'])}")
+            ttft = "/".join(_fmt(c[f"ttft_ms_p{q}"]) for q in (50, 90, 99))
+            itl = "/".join(_fmt(c[f"itl_ms_p{q}"]) for q in (50, 90, 99))
+            print(f"   {cls:<5}: TTFT ms p50/p90/p99 {ttft}, ITL ms p50/p90/p99 {itl}")
 
 
 def _parse_run(spec: str) -> tuple[str, int]:
@@ -103,11 +104,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     warm = Workload("warm-up", "", (WorkloadRequest("warm-up", RequestClass.SHORT, 0.0, "Hello.", 2),))
     run_serve(target, warm, configs[0])  # one-time costs (the packed view, lazy kernels) outside the timings
     runs: list[list[dict]] = [[] for _ in configs]
+    outputs = set()  # every run must produce the same tokens: greedy output does not depend on the policy
     for rep in range(args.repeats):
         order = list(range(len(configs)))
         order = order[rep % len(order):] + order[:rep % len(order)]  # rotate, so no config is always first
         for i in order:
-            runs[i].append(summary(run_serve(target, workload, configs[i])))
+            result = run_serve(target, workload, configs[i])
+            runs[i].append(summary(result))
+            outputs.add(tuple(r.output_token_ids for r in result.requests))
     rows = []
     for spec, summaries in zip(args.runs, runs):
         row = {"run": spec, "policy": summaries[0]["policy"], "chunk_size": summaries[0]["chunk_size"],
@@ -119,20 +123,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
         row["runs"] = summaries
         rows.append(row)
     first = runs[0][0]
-    fields = ("model", "device", "dtype", "workload", "k", "temperature", "prompt_tokens", "requests", "concurrency",
-              "decode_traffic_active")
-    out = {"evidence_class": "controlled benchmark", **{f: first[f] for f in fields}, "results": rows}
+    fields = ("model", "device", "dtype", "evidence_class", "workload", "k", "temperature", "prompt_tokens", "requests",
+              "concurrency", "decode_traffic_active")
+    out = {**{f: first[f] for f in fields},
+           "same_outputs_in_every_run": len(outputs) == 1, "results": rows}
     if args.json:
         print(json.dumps(out, ensure_ascii=False, allow_nan=False))
         return 0
-    print(f"{workload.name}: {first['model']} on {first['device']} {first['dtype']}, {args.repeats} interleaved repeats, medians")
-    print(f"{'run':<20}{'budget':>7}{'short ITL p50':>15}{'short ITL p99':>15}{'short ITL max':>15}{'long TTFT':>12}{'tok/s':>8}")
+    print(f"{workload.name}: {first['model']} on {first['device']} {first['dtype']}, "
+          f"{args.repeats} interleaved repeats, medians")
+    print(f"{'run':<20}{'budget':>7}{'short ITL p50':>15}{'short ITL p99':>15}{'short ITL max':>15}"
+          f"{'long TTFT':>12}{'tok/s':>8}")
     for row in rows:
         print(f"{row['run']:<20}{row['token_budget']:>7}{_fmt(row['short.itl_ms_p50_median']):>15}"
               f"{_fmt(row['short.itl_ms_p99_median']):>15}{_fmt(row['short.itl_ms_max_median']):>15}"
               f"{_fmt(row['long.ttft_ms_p50_median']):>12}{_fmt(row['output_tokens_per_s_median']):>8}")
     print("(ms; ITL per token; TTFT from arrival; decode traffic active: "
-          f"{'yes' if first['decode_traffic_active'] else 'no'})")
+          f"{'yes' if first['decode_traffic_active'] else 'no'}; same outputs in every run: "
+          f"{'yes' if out['same_outputs_in_every_run'] else 'NO'})")
     return 0
 
 

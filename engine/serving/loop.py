@@ -30,7 +30,7 @@ from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 from engine.serving.packed import Segment, forward_packed
-from engine.serving.records import ItemKind, RequestRecord, ServeStep, StepItem
+from engine.serving.records import ItemKind, RequestRecord, ServeStep
 from engine.serving.scheduler import Live, Policy, schedule
 from engine.serving.workload import Workload, WorkloadRequest
 
@@ -100,11 +100,17 @@ def encode_workload(target: LoadedModel, workload: Workload, cfg: ServeConfig) -
         if not ids:
             raise InputError(f"request {r.request_id}: the prompt is empty")
         if len(ids) + 1 > target.max_context:
-            raise InputError(f"request {r.request_id}: the prompt has {len(ids)} tokens; this model's context is {target.max_context}")
+            raise InputError(
+                f"request {r.request_id}: the prompt has {len(ids)} tokens; "
+                f"this model's context is {target.max_context}"
+            )
     longest = max(len(ids) for ids in prompts)
     budget = cfg.budget([len(ids) for ids in prompts])
     if cfg.policy is Policy.NONE and budget < longest:
-        raise InputError(f"policy none runs a whole prompt in one step: token budget {budget} is below the longest prompt ({longest} tokens)")
+        raise InputError(
+            f"policy none runs a whole prompt in one step: token budget {budget} is below the longest prompt "
+            f"({longest} tokens)"
+        )
     return prompts
 
 

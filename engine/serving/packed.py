@@ -58,7 +58,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     function of transformers."""
     outputs = []
     for seg in speclab_segments:
-        k, v = seg.cache.update(key[:, :, seg.lo:seg.hi], value[:, :, seg.lo:seg.hi], module.layer_idx)  # (1, Hkv, S, D)
+        # (1, Hkv, S, D): the request's cached keys/values followed by this segment's
+        k, v = seg.cache.update(key[:, :, seg.lo:seg.hi], value[:, :, seg.lo:seg.hi], module.layer_idx)
         n, total = seg.hi - seg.lo, k.shape[2]
         # a solo run passes no mask for one token or a first chunk (SDPA is_causal), else an
         # explicit causal mask offset by the cached length
@@ -86,7 +87,9 @@ def packed_view(target: LoadedModel) -> torch.nn.Module:
         if view is None:
             model = target.model
             if any(getattr(m, "sliding_window", None) for m in model.modules()):
-                raise InputError(f"model {target.name!r} uses sliding-window attention, which packed serving does not support")
+                raise InputError(
+                    f"model {target.name!r} uses sliding-window attention, which packed serving does not support"
+                )
             shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
             view = copy.deepcopy(model, memo=shared)  # new modules and config, same tensors
             view.config._attn_implementation = ATTENTION_NAME
