@@ -24,6 +24,7 @@ from engine.errors import InputError
 
 PRESETS_FILE = Path(__file__).with_name("presets.yaml")
 GGUF_PREFIX = "gguf:"
+DISTILLED_PREFIX = "distilled:"  # a draft distilled from its target (engine/mtp/distilled.py)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name, not a path
 
 
@@ -199,9 +200,12 @@ def _load_folder(folder: Path, device: str, dtype: torch.dtype):
 def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load a model once per process (thread-safe); later calls return the same object.
 
-    spec: a preset name (its target), a "gguf:" spec, a local folder or an allowed hub id.
+    spec: a preset name (its target), a "gguf:" spec, a local folder, an allowed hub id, or
+    "distilled:<weights name or folder>" (a draft built from its target plus trained layers).
     A corrupt conversion cache is rebuilt rather than fatal.
     """
+    if spec.startswith(DISTILLED_PREFIX):
+        return _load_distilled(spec, device, dtype)
     if spec in presets():
         preset = presets()[spec]
         spec, device = preset.target, (preset.device if device == "auto" else device)
@@ -225,6 +229,21 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         loaded = LoadedModel(spec, model, tokenizer, device, torch_dtype)
         _loaded[key] = loaded
         return loaded
+
+
+def _load_distilled(spec: str, device: str, dtype: str) -> LoadedModel:
+    """A distilled draft shares modules with its target, which its card names: load the target
+    (once, cached), then build the draft on it."""
+    from engine.mtp.distilled import KIND, load_distilled
+    from engine.mtp.weights import read_card, resolve_weights
+
+    folder = resolve_weights(spec[len(DISTILLED_PREFIX):])
+    target = load_model(read_card(folder, KIND)["target"], device, dtype)
+    key = (spec, target.device, str(target.dtype))
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = load_distilled(spec, folder, target)
+        return _loaded[key]
 
 
 def resolve_draft(target_spec: str, draft: str | None) -> str:

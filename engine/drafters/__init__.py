@@ -9,4 +9,4 @@ from engine.drafters.base import DraftProposal, Drafter, DrafterSpec, build_draf
 __all__ = ["DraftProposal", "Drafter", "DrafterSpec", "build_drafter", "drafter_names", "register"]
 
 # importing the modules registers their drafters
-from engine.drafters import draft_model, early_exit, prompt_lookup  # noqa: E402,F401
+from engine.drafters import draft_model, early_exit, mtp, prompt_lookup  # noqa: E402,F401

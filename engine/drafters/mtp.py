@@ -1,0 +1,75 @@
+"""mtp: multi-token prediction, drafting from the target's own final hidden state.
+
+One drafter name, two kinds of MTP module:
+- a target whose config declares MTP layers (DeepSeek-V3 style) drafts a chain with them
+  (engine/mtp/native.py);
+- otherwise trained Medusa-style heads (engine/mtp/heads.py; shipped for the embedded model in
+  engine/weights/): every head reads the same hidden state, so one pass proposes all depths.
+  Chain drafting takes each head's choice (its argmax, or a draw from its distribution, which is
+  then the draft_probs: the standard rule keeps sampling exact even though the heads ignore each
+  other's drafts). Tree drafting (--tree SHAPE) proposes the heads' top-k combinations named by
+  the shape and is verified in one target forward; it is greedy only, so with sampling the
+  drafter drafts the chain instead (exact, never lossy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.drafters.base import DraftProposal, DrafterSpec, register
+from engine.errors import InputError
+from engine.models import LoadedModel
+from engine.mtp.heads import KIND, MTPHeads, load_heads
+from engine.mtp.native import NativeMTPDrafter, has_mtp_layers
+from engine.mtp.tree import TreeShape, tree_shape
+from engine.mtp.weights import find_weights, resolve_weights
+from engine.sampling import SamplingConfig, choose, probs_from_logits
+
+
+class MTPHeadsDrafter:
+    name = "mtp"
+
+    def __init__(self, target: LoadedModel, heads: MTPHeads, tree: TreeShape | None = None):
+        n = len(heads.blocks)
+        if tree is not None and tree.depth > n:
+            raise InputError(f"tree {tree.name!r} is {tree.depth} deep but there are only {n} MTP heads")
+        self.heads = heads
+        self.lm_head = target.model.get_output_embeddings()
+        self.tree = tree
+        self.hidden: torch.Tensor | None = None  # (H,) the last position's final hidden state
+
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
+        self.hidden = hidden[-1]
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+        logits = self.lm_head(self.heads(self.hidden)).float()  # (heads, V)
+        probs = probs_from_logits(logits, sampling)  # (heads, V)
+        if self.tree is None or not sampling.greedy:
+            n = min(k, logits.shape[0])
+            ids = [choose(probs[i], logits[i], sampling, float(torch.rand((), generator=rng))) for i in range(n)]
+            return DraftProposal(torch.tensor(ids, dtype=torch.long), probs[:n], head_probs=probs[:n])
+        paths = self.tree.paths
+        top = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices.tolist() for d in range(self.tree.depth)]
+        ids = torch.tensor([top[len(p) - 1][p[-1]] for p in paths], dtype=torch.long)
+        node_probs = probs[[len(p) - 1 for p in paths]]  # (nodes, V): each node's head distribution
+        return DraftProposal(ids, node_probs, parents=self.tree.parents, head_probs=probs[: self.tree.depth],
+                             ranks=paths)
+
+
+@register("mtp")
+def _build(target: LoadedModel, spec: DrafterSpec):
+    if has_mtp_layers(target):
+        if spec.tree:
+            raise InputError("tree drafting needs MTP heads; this model's own MTP layers draft a chain")
+        return NativeMTPDrafter(target)
+    folder = resolve_weights(spec.draft) if spec.draft else find_weights(KIND, target.spec)
+    if folder is None:
+        raise InputError(
+            f"no MTP heads trained for {target.spec!r} and its config declares no MTP layers "
+            f"(train heads: python -m engine.train mtp-heads --model {target.spec})"
+        )
+    heads, _ = load_heads(Path(folder), target)
+    return MTPHeadsDrafter(target, heads, tree_shape(spec.tree) if spec.tree else None)

@@ -1,0 +1,85 @@
+"""python -m engine.train {prompts, mtp-heads, draft-model} [options]
+
+Both trainers first self-distil (the target answers the shipped prompt set; cached under
+$SPECLAB_CACHE/train, so reruns skip it), then train, then write weights + card.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+
+from engine.errors import InputError
+from engine.models import load_model
+from engine.mtp.weights import WEIGHTS_DIR
+from engine.train.data import DataConfig, build_dataset
+from engine.train.draft import DraftConfig, train_draft
+from engine.train.heads import HeadsConfig, train_heads
+from engine.train.prompts import PROMPTS_FILE, write_prompts
+
+
+def _data_args(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--model", default="embedded", help="preset name or local folder of the target")
+    p.add_argument("--out", default=str(WEIGHTS_DIR / out), help="folder for weights + card.json")
+    p.add_argument("--prompts", default=str(PROMPTS_FILE))
+    p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=DataConfig.max_new_tokens, help="answer length cap")
+    p.add_argument("--data-batch", type=int, default=DataConfig.batch_size, help="prompts answered together")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("prompts", help=f"rewrite {PROMPTS_FILE.name} from its templates")
+    heads = sub.add_parser("mtp-heads", help="train Medusa-style MTP heads")
+    _data_args(heads, "mtp-heads")
+    heads.add_argument("--heads", type=int, default=HeadsConfig.heads)
+    heads.add_argument("--steps", type=int, default=HeadsConfig.steps)
+    heads.add_argument("--batch", type=int, default=HeadsConfig.batch, help="positions per step")
+    heads.add_argument("--lr", type=float, default=HeadsConfig.lr)
+    draft = sub.add_parser("draft-model", help="distil the target's first layers into a draft model")
+    _data_args(draft, "draft-model")
+    draft.add_argument("--layers", type=int, default=DraftConfig.layers)
+    draft.add_argument("--steps", type=int, default=DraftConfig.steps)
+    draft.add_argument("--batch", type=int, default=DraftConfig.batch, help="answers per step")
+    draft.add_argument("--lr", type=float, default=DraftConfig.lr)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.command == "prompts":
+        print(f"wrote {write_prompts()} prompts to {PROMPTS_FILE}")
+        return 0
+    os.environ.setdefault("SPECLAB_ALLOW_ANY_MODEL", "1")
+    try:
+        target = load_model(args.model, device="cpu", dtype="float32")
+        begin = time.perf_counter()
+        data = build_dataset(target, DataConfig(args.max_new_tokens, args.data_batch, limit=args.limit), Path(args.prompts))
+        data.info["load_s"] = round(time.perf_counter() - begin, 1)
+        command = "python -m engine.train " + " ".join(argv)
+        if args.command == "mtp-heads":
+            cfg = HeadsConfig(heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+            card = train_heads(target, data, cfg, Path(args.out), command)
+        else:
+            cfg = DraftConfig(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+            card = train_draft(target, data, cfg, Path(args.out), command)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: held-out {card['heldout']}")
+    return 0
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""`python -m engine.train draft-model`: distil the target into its first L layers.
+
+The draft (engine/mtp/distilled.py) starts as the target's first L decoder layers under the
+target's final norm and LM head (both shared and frozen); only the layers train. At every
+response position it learns the target's next-token distribution: cross-entropy against the
+target's top-K probabilities, renormalised (the KL to them up to a constant).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.models import LoadedModel
+from engine.mtp.distilled import KIND, build_draft, layer_weights
+from engine.mtp.weights import save_weights
+from engine.train.common import card_base, cosine_lr, seed_everything
+from engine.train.data import Dataset, Example
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    layers: int = 4
+    steps: int = 150
+    batch: int = 4  # answers per step
+    lr: float = 3e-4
+    warmup: int = 10
+    seed: int = 0
+
+
+def _forward(draft: torch.nn.Module, batch: list[Example], pad: int) -> list[torch.Tensor]:
+    """The draft's logits (R, V) at each answer's response positions (where the target's top-K
+    were kept): inputs are prompt + response minus its last token, right padded."""
+    inputs = [e.ids[:-1].long() for e in batch]
+    width = max(len(x) for x in inputs)
+    ids = torch.stack([torch.nn.functional.pad(x, (0, width - len(x)), value=pad) for x in inputs])  # (B, T)
+    mask = torch.stack([(torch.arange(width) < len(x)).long() for x in inputs])  # (B, T)
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, H)
+    rows = [hidden[b, e.prompt_len - 1 : len(e.ids) - 1] for b, e in enumerate(batch)]  # (R, H) each
+    return [draft.lm_head(h) for h in rows]
+
+
+def _soft_targets(e: Example) -> tuple[torch.Tensor, torch.Tensor]:
+    return e.top_ids.long(), torch.softmax(e.top_logits.float(), dim=-1)  # (R, K), (R, K)
+
+
+@torch.inference_mode()
+def evaluate(draft: torch.nn.Module, examples: list[Example], pad: int) -> dict:
+    """How often the draft's top-1 / top-5 hold the target's choice (its greedy token)."""
+    top1 = top5 = total = 0
+    for start in range(0, len(examples), 4):
+        batch = examples[start : start + 4]
+        for logits, e in zip(_forward(draft, batch, pad), batch):
+            want = e.ids[e.prompt_len:].long()  # the target's greedy tokens
+            top = torch.topk(logits, 5, dim=-1).indices  # (R, 5)
+            top1 += int((top[:, 0] == want).sum())
+            top5 += int((top == want[:, None]).any(-1).sum())
+            total += len(want)
+    return {"top1": round(top1 / total, 4), "top5": round(top5 / total, 4), "positions": total}
+
+
+def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path, command: str) -> dict:
+    gen = seed_everything(cfg.seed)
+    pad = min(target.eos_token_ids)
+    draft = build_draft(target, cfg.layers)
+    draft.model.layers.requires_grad_(True)
+    train, heldout = data.split("train"), data.split("heldout")
+    before = evaluate(draft, heldout, pad)
+    opt = torch.optim.AdamW(draft.model.layers.parameters(), lr=cfg.lr, weight_decay=0.0)
+    begin = time.perf_counter()
+    draft.train()
+    bar = tqdm(range(cfg.steps), desc="draft-model", unit="step")
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
+        batch = [train[int(i)] for i in torch.randint(0, len(train), (cfg.batch,), generator=gen)]
+        losses = []
+        for logits, e in zip(_forward(draft, batch, pad), batch):
+            ids, probs = _soft_targets(e)
+            log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)  # (R, K)
+            losses.append(-(probs * log_q).sum(-1))
+        loss = torch.cat(losses).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    train_s = time.perf_counter() - begin
+    draft.eval()
+    after = evaluate(draft, heldout, pad)
+    card = card_base(KIND, target, data, command)
+    card.update({
+        "layers": cfg.layers,
+        "predicts": "the next token, as the target's first `layers` decoder layers + final norm + LM head",
+        "training": {**asdict(cfg), "final_loss": round(loss.item(), 4), "train_s": round(train_s, 1)},
+        "heldout": after,
+        "heldout_untrained": before,
+    })
+    save_weights(out, layer_weights(draft), card)
+    return card
