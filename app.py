@@ -9,6 +9,7 @@ import os
 
 import gradio as gr
 
+from ui.lessons import build_lessons
 from ui.playground import build_playground
 from ui.prefill import build_prefill
 from ui.status import build_status
@@ -28,9 +29,11 @@ def build_app() -> gr.Blocks:
         build_status(demo)
         with gr.Tabs() as tabs:  # the lessons tab switches tabs: gr.Tabs(selected=...) as an output
             with gr.Tab("Playground", id="playground"):
-                build_playground()
+                playground = build_playground()
             with gr.Tab("Chunked prefill", id="prefill"):
-                build_prefill()
+                prefill = build_prefill()
+            with gr.Tab("Lessons", id="lessons"):
+                build_lessons(playground, prefill, tabs)
     demo.queue(default_concurrency_limit=int(os.environ.get("SPECLAB_CONCURRENCY", "2")), max_size=64)
     return demo
 

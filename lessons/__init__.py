@@ -6,7 +6,8 @@ Typical use by the app:
     lessons = load_lessons()                       # tuple[Lesson, ...], in course order
     progress = new_progress()                      # a plain dict for gr.State / the browser session
     feedback, progress = submit(progress, lesson, question.id, answer)
-    lesson_score(progress, lesson); progress = reset_lesson(progress, lesson)
+    is_answered(progress, lesson, question.id); lesson_score(progress, lesson)
+    progress = reset_lesson(progress, lesson)
     cert = completion_certificate(progress, lessons, name)
     certificate_html(cert); verify(from_code(pasted_code))
 """
@@ -20,7 +21,17 @@ from lessons.certificates import (
     to_code,
     verify,
 )
-from lessons.grading import Feedback, Score, course_score, grade, lesson_score, new_progress, reset_lesson, submit
+from lessons.grading import (
+    Feedback,
+    Score,
+    course_score,
+    grade,
+    is_answered,
+    lesson_score,
+    new_progress,
+    reset_lesson,
+    submit,
+)
 from lessons.loader import LessonError, lesson_problems, load_lessons, validate
 from lessons.model import (
     Choice,
@@ -55,6 +66,7 @@ __all__ = [
     "course_score",
     "from_code",
     "grade",
+    "is_answered",
     "issue",
     "lesson_problems",
     "lesson_score",

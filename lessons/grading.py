@@ -111,6 +111,12 @@ def submit(progress: object, lesson: Lesson, question_id: str, given: int | floa
     return feedback, {"version": PROGRESS_VERSION, "answers": answers}
 
 
+def is_answered(progress: object, lesson: Lesson, question_id: str) -> bool:
+    """Whether this question already has an answer in the progress (the app then asks for a
+    retry of the lesson instead of taking a second answer)."""
+    return question_id in _answers(progress).get(lesson.id, {})
+
+
 def reset_lesson(progress: object, lesson: Lesson) -> dict:
     """Progress with this lesson's answers cleared (retry the lesson)."""
     answers = _answers(progress)
