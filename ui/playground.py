@@ -187,9 +187,9 @@ def identity_check(c: Comparison) -> str:
         return ("sampled (temperature > 0): the two outputs may differ; speculative sampling keeps the "
                 "target's distribution, not its draws")
     if base == spec:
-        return f"✅ **outputs identical**: {len(spec)} tokens, token for token"
+        return f"✓ **outputs identical**: {len(spec)} tokens, token for token"
     diverge = next((i for i, (a, b) in enumerate(zip(base, spec)) if a != b), min(len(base), len(spec)))
-    return f"❌ **outputs differ** from output token {diverge}"
+    return f"✗ **outputs differ** from output token {diverge}"
 
 
 def comparison_readout(c: Comparison) -> str:
@@ -300,7 +300,7 @@ def compare(state, prompt, preset, method, k, adaptive, temperature, top_k, top_
             yield (state, *unchanged, *compare_views(state.compare))
         if run.stop_reason == "stopped":
             break
-    state.close()  # a stopped comparison leaves the run it never started unstarted
+    state.close()  # release the runs (after a Stop, the second one never started)
     state.session, state.settings = state.compare.speculative, settings
     yield (state, *views(state), *compare_views(state.compare))
 
@@ -342,10 +342,10 @@ def build_playground():
     state = gr.State(None)
     with gr.Row():
         with gr.Column(scale=1, min_width=320):
-            prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=4, max_lines=12)
+            prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=4, max_lines=12, elem_id="prompt")
             with gr.Row():
                 preset = gr.Dropdown(preset_choices(), value=default_preset(), label="Model preset")
-                method = gr.Dropdown(methods(), value="prompt-lookup", label="Method (drafter)")
+                method = gr.Dropdown(methods(), value="prompt-lookup", label="Method (drafter)", elem_id="method")
             with gr.Row():
                 k = gr.Slider(1, MAX_K, value=4, step=1, label="k (draft length)")
                 adaptive = gr.Checkbox(False, label="adaptive k")
@@ -356,11 +356,11 @@ def build_playground():
                 top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
                 seed = gr.Number(0, label="seed", precision=0)
             max_new = gr.Slider(1, UI_MAX_NEW_TOKENS, value=64, step=1,
-                                label=f"max new tokens (cap {UI_MAX_NEW_TOKENS})")
+                                label=f"max new tokens (cap {UI_MAX_NEW_TOKENS})", elem_id="max-new-tokens")
             with gr.Row():
                 raw = gr.Checkbox(False, label="raw text (no chat template)")
                 rule = gr.Radio([r.value for r in AcceptRule], value="exact", label="acceptance (typical is LOSSY)")
-            tree = gr.Dropdown(tree_choices(), value=CHAIN, label="MTP tree shape (mtp, greedy only)")
+            tree = gr.Dropdown(tree_choices(), value=CHAIN, label="MTP tree shape (mtp, greedy only)", elem_id="tree")
             speed = gr.Slider(0, 2, value=0.3, step=0.05, label="play speed (pause between rounds, s)")
         with gr.Column(scale=2):
             with gr.Row():
@@ -389,9 +389,8 @@ def build_playground():
                 with gr.Row():
                     per_pos = gr.Plot()
                     hist = gr.Plot()
-                with gr.Row():
-                    tokens_steps = gr.Plot()
-                    theory = gr.Plot()
+                tokens_steps = gr.Plot()
+                theory = gr.Plot()
                 timeline = gr.Plot(elem_id="run-timeline")
             with gr.Accordion("Trace: download, or upload one to replay without a model", open=False):
                 with gr.Row():

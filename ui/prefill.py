@@ -185,9 +185,13 @@ def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[
             if state.stopped:
                 break
             run = state.running = ServeRun(target, workload, cfg)
+            drawn = None
             while not run.wait(REFRESH_S):
-                timelines[side] = serving_timeline(run.steps, run.requests_so_far())
-                yield (state, progress_text(label, run), *timelines, *waiting)
+                progress = (len(run.steps), len(run.finished))
+                if progress != drawn:  # redraw only when a step or a request has ended
+                    timelines[side] = serving_timeline(run.steps, run.requests_so_far())
+                    yield (state, progress_text(label, run), *timelines, *waiting)
+                    drawn = progress
             if run.error is not None:
                 raise run.error
             timelines[side] = serving_timeline(run.steps, run.requests_so_far())
@@ -225,36 +229,36 @@ def build_prefill():
     """Lay out the tab and wire it; returns the components other tabs (lessons) may preset."""
     state = gr.State(None)
     policies = [p.value for p in Policy]
-    with gr.Row():
-        with gr.Column(scale=1, min_width=300):
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=280):
             preset = gr.Dropdown(preset_choices(), value=default_preset(), label="Model preset")
             scenario = gr.Dropdown(scenario_choices(), value="doc-arrives", label="Scenario")
-            description = gr.Markdown(describe("doc-arrives"))
-            max_new = gr.Slider(*MAX_NEW_RANGE, value=0, step=1,
+            max_new = gr.Slider(*MAX_NEW_RANGE, value=0, step=1, elem_id="prefill-max-new",
                                 label="max new tokens per request (0 = the scenario's own)")
-            with gr.Group():
-                gr.Markdown("**Setting A**")
-                policy = gr.Radio(policies, value=Policy.NONE.value, label="policy")
-                chunk_size = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
-            with gr.Group():
-                gr.Markdown("**Setting B** (for the comparison)")
-                policy_b = gr.Radio(policies, value=Policy.DECODE_FIRST.value, label="policy")
-                chunk_size_b = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
-        with gr.Column(scale=3):
-            with gr.Row():
-                run_btn = gr.Button("Run A", variant="primary", elem_id="prefill-run-btn")
-                compare_btn = gr.Button("Compare A, then B", elem_id="prefill-compare-btn")
-                stop_btn = gr.Button("Stop", variant="stop", elem_id="prefill-stop-btn")
-            progress = gr.Markdown("Choose a scenario and press Run.", elem_id="prefill-progress")
-            with gr.Row():
-                timeline_a = gr.Plot(label="timeline A", elem_id="prefill-timeline-a")
-                timeline_b = gr.Plot(label="timeline B", elem_id="prefill-timeline-b")
-            table = gr.Dataframe(headers=SUMMARY_COLUMNS, label="summary per setting", interactive=False,
-                                 elem_id="prefill-summary")
-            ttft = gr.Plot(label="TTFT", elem_id="prefill-ttft")
-            with gr.Row():
-                itl_time = gr.Plot(label="ITL over time", elem_id="prefill-itl-time")
-                itl_dist = gr.Plot(label="ITL distribution", elem_id="prefill-itl-dist")
+        with gr.Column(scale=2, min_width=240):
+            gr.Markdown("**Setting A**")
+            policy = gr.Radio(policies, value=Policy.NONE.value, label="policy")
+            chunk_size = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
+        with gr.Column(scale=2, min_width=240):
+            gr.Markdown("**Setting B** (for the comparison)")
+            policy_b = gr.Radio(policies, value=Policy.DECODE_FIRST.value, label="policy")
+            chunk_size_b = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
+        with gr.Column(scale=3, min_width=280):
+            description = gr.Markdown(describe("doc-arrives"))
+    with gr.Row():
+        run_btn = gr.Button("Run A", variant="primary", elem_id="prefill-run-btn")
+        compare_btn = gr.Button("Compare A, then B", elem_id="prefill-compare-btn")
+        stop_btn = gr.Button("Stop", variant="stop", elem_id="prefill-stop-btn")
+    progress = gr.Markdown("Choose a scenario and press Run.", elem_id="prefill-progress")
+    with gr.Row(elem_id="prefill-timelines"):
+        timeline_a = gr.Plot(label="timeline A", elem_id="prefill-timeline-a")
+        timeline_b = gr.Plot(label="timeline B", elem_id="prefill-timeline-b")
+    table = gr.Dataframe(headers=SUMMARY_COLUMNS, label="summary per setting", interactive=False,
+                         elem_id="prefill-summary")
+    with gr.Row(elem_id="prefill-latency"):
+        ttft = gr.Plot(label="TTFT", elem_id="prefill-ttft")
+        itl_dist = gr.Plot(label="ITL distribution", elem_id="prefill-itl-dist")
+    itl_time = gr.Plot(label="ITL over time", elem_id="prefill-itl-time")
 
     scenario.change(describe, [scenario], [description], api_name=False)
     shown = [state, progress, timeline_a, timeline_b, table, ttft, itl_time, itl_dist]
