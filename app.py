@@ -9,6 +9,7 @@ import os
 
 import gradio as gr
 
+from ui.gate import build_gate
 from ui.lessons import build_lessons
 from ui.playground import build_playground
 from ui.prefill import build_prefill
@@ -34,6 +35,8 @@ def build_app() -> gr.Blocks:
                 prefill = build_prefill()
             with gr.Tab("Lessons", id="lessons"):
                 build_lessons(playground, prefill, tabs)
+            with gr.Tab("Gate", id="gate"):
+                build_gate()
     demo.queue(default_concurrency_limit=int(os.environ.get("SPECLAB_CONCURRENCY", "2")), max_size=64)
     return demo
 

@@ -1,0 +1,67 @@
+"""Which methods a benchmark or gate runs, and the drafter options each one reads.
+
+A method is "baseline" (plain decoding) or a registered drafter's name. Methods are checked
+before any timing starts: an unregistered drafter or an unavailable draft model is one clear
+line naming the method, never a failure halfway through a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.drafters import DrafterSpec, build_drafter, drafter_names
+from engine.errors import InputError
+from engine.models import LoadedModel
+
+BASELINE = "baseline"
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """The per-drafter options of one command line (each drafter reads its own)."""
+
+    draft: str | None = None  # draft-model: the draft model (preset, folder or hub id)
+    mtp_heads: str | None = None  # mtp: a folder of trained heads (default: the shipped ones)
+    ngram_max: int = 3
+    ngram_min: int = 1
+    exit_layer: int = 0  # early-exit: layers used (0: a quarter)
+    tree: str | None = None  # mtp: tree shape (None: chain)
+
+    def spec(self, method: str) -> DrafterSpec:
+        draft = {"draft-model": self.draft, "mtp": self.mtp_heads}.get(method)
+        return DrafterSpec(method=method, draft=draft, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
+                           exit_layer=self.exit_layer, tree=self.tree)
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """Comma-separated method names, baseline first (added when missing: every speedup is
+    measured against it in the same run).
+
+    >>> parse_methods("prompt-lookup, baseline")
+    ('baseline', 'prompt-lookup')
+    """
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise InputError("no method given")
+    if len(set(names)) != len(names):
+        raise InputError(f"a method is named twice in {text!r}")
+    for name in names:
+        check_registered(name)
+    return (BASELINE, *[m for m in names if m != BASELINE])
+
+
+def check_registered(method: str) -> None:
+    if method != BASELINE and method not in drafter_names():
+        raise InputError(
+            f"method {method!r} is not available: no drafter is registered under that name "
+            f"(available: {BASELINE}, {', '.join(drafter_names())})"
+        )
+
+
+def check_buildable(target: LoadedModel, method: str, options: DrafterOptions) -> None:
+    """Build the method's drafter once on the loaded target, so a missing draft model or MTP
+    heads are reported before anything runs."""
+    try:
+        build_drafter(target, options.spec(method))
+    except InputError as err:
+        raise InputError(f"method {method}: {err}") from None
