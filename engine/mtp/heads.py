@@ -2,8 +2,9 @@
 
 Head i (0-based) reads the hidden state h_t at the position whose logits chose the next token
 x_{t+1}, and predicts x_{t+2+i}: one residual block h + SiLU(W h + b) per head, then the target's
-own LM head (shared, frozen). W and b start at zero, so an untrained head is the identity and
-predicts what the target predicts next; training moves it ahead. Only the blocks are stored.
+own LM head (shared, frozen). W and b start at zero, so an untrained head is the identity: it repeats
+the target's own prediction there (the token just chosen); training moves it ahead. Only the
+blocks are stored.
 """
 
 from __future__ import annotations

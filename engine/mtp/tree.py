@@ -124,6 +124,26 @@ def keep_path(cache: DynamicCache, past: int, path: tuple[int, ...]) -> None:
         layer.values = torch.cat([layer.values[..., :past, :], layer.values.index_select(-2, index)], dim=-2)
 
 
+def best_tree(rank_accuracy: list[list[float]], nodes: int) -> tuple[list[tuple[int, ...]], float]:
+    """The `nodes` rank paths with the highest chance of being accepted whole, taking each
+    head's accuracy at each rank as independent (Medusa's construction), and the expected
+    tokens per step of that tree (1 + the sum of those chances). rank_accuracy[d][r]: how often
+    head d's rank-r candidate is the right token.
+
+    >>> best_tree([[0.6, 0.2], [0.5, 0.1]], 3)
+    ([(0,), (0, 0), (1,)], 2.1)
+    """
+    frontier = [(acc, (r,)) for r, acc in enumerate(rank_accuracy[0])]
+    chosen: list[tuple[float, tuple[int, ...]]] = []
+    while frontier and len(chosen) < nodes:
+        frontier.sort(reverse=True)
+        prob, path = frontier.pop(0)
+        chosen.append((prob, path))
+        if len(path) < len(rank_accuracy):
+            frontier += [(prob * acc, path + (r,)) for r, acc in enumerate(rank_accuracy[len(path)])]
+    return [p for _, p in chosen], round(1 + sum(prob for prob, _ in chosen), 4)
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """A named tree for MTP heads: each node a path of ranks, parents listed before children."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from engine.train.prompts import PROMPTS_FILE, read_prompts
 
 @dataclass(frozen=True)
 class DataConfig:
-    max_new_tokens: int = 128  # response length cap per prompt
+    max_new_tokens: int = 96  # response length cap per prompt
     batch_size: int = 32  # prompts answered together (left padded)
     top_logits: int = 32  # target logits kept per position for the draft model's KL
     limit: int = 0  # answer only the first N prompts (0: all); smoke tests use a few
@@ -107,18 +108,30 @@ def build_dataset(target: LoadedModel, cfg: DataConfig = DataConfig(), prompts_f
         prompts = prompts[: cfg.limit]
     # similar lengths together: less padding per batch
     order = sorted(prompts, key=lambda p: len(target.encode(p["prompt"])))
-    begin = time.perf_counter()
-    examples: list[Example] = []
     batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
-    for batch in tqdm(batches, desc="self-distillation (target answers)", unit="batch"):
-        examples.extend(_answer_batch(target, batch, cfg))
+    parts = path.with_suffix(".parts")  # finished batches: an interrupted run resumes from them
+    parts.mkdir(parents=True, exist_ok=True)
+    examples: list[Example] = []
+    generation_s = 0.0
+    for b, batch in enumerate(tqdm(batches, desc="self-distillation (target answers)", unit="batch")):
+        part = parts / f"{b:04d}.pt"
+        if not part.is_file():
+            begin = time.perf_counter()
+            answered = _answer_batch(target, batch, cfg)
+            tmp = part.with_suffix(".tmp")
+            torch.save({"examples": [asdict(e) for e in answered], "seconds": time.perf_counter() - begin}, tmp)
+            tmp.replace(part)
+        saved = torch.load(part, weights_only=False)
+        examples.extend(Example(**e) for e in saved["examples"])
+        generation_s += saved["seconds"]
     examples.sort(key=lambda e: e.prompt_id)
     info = {
         "model": target.spec, "prompts_file": prompts_file.name, "prompts": len(examples),
-        "settings": asdict(cfg), "generation_s": round(time.perf_counter() - begin, 1),
+        "settings": asdict(cfg), "generation_s": round(generation_s, 1),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"examples": [asdict(e) for e in examples], "info": info}, tmp)
     tmp.replace(path)
+    shutil.rmtree(parts)
     return Dataset(examples, info)

@@ -16,12 +16,14 @@ from tqdm import tqdm
 
 from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads
+from engine.mtp.tree import best_tree
 from engine.mtp.weights import save_weights
 from engine.train.common import card_base, cosine_lr, seed_everything, train_vocabulary
 from engine.train.data import Dataset, Example
 
 IGNORE = -100
 RANKS = 10  # per-rank accuracies kept in the card (tree shapes are built from them)
+TREE_SIZES = (4, 8, 16, 32, 64)  # node counts of the trees the card suggests
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ def train_heads(target: LoadedModel, data: Dataset, cfg: HeadsConfig, out: Path,
                      "final_loss": round(loss.item(), 4), "train_s": round(train_s, 1)},
         "heldout": after,
         "heldout_untrained_top1": before["top1"],
+        # trees.yaml's shapes come from here: the best trees by expected tokens per step
+        "trees": {str(n): dict(zip(("paths", "expected_tokens_per_step"), best_tree(after["rank_accuracy"], n)))
+                  for n in TREE_SIZES},
     })
     save_weights(out, heads.state_dict(), card)
     return card
