@@ -30,10 +30,10 @@ from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.mtp.tree import greedy_accept_tree, keep_path, tree_inputs
 from engine.sampling import SamplingConfig, choose, probs_from_logits
-from engine.trace import EmittedToken, PrefillChunk, Step, TopToken
+from engine.trace import MAX_OUTPUT_TOKENS, EmittedToken, PrefillChunk, Step, TopToken
 
 MAX_K = 16
-MAX_NEW_TOKENS = 4096
+MAX_NEW_TOKENS = MAX_OUTPUT_TOKENS  # a run's cap; a trace with more tokens is refused on loading
 TOP_N = 5  # alternatives kept per emitted token
 
 
@@ -77,7 +77,7 @@ class RunClock:
 
 @dataclass(frozen=True)
 class Finished:
-    stop_reason: str  # "eos", "max_new_tokens" or "stopped"
+    stop_reason: str  # "eos", "max_new_tokens", "context" (the model's context is full) or "stopped"
 
 
 Event = PrefillChunk | Step | Finished
@@ -261,8 +261,8 @@ def generate(
         kv_before = cache.get_seq_length()  # (== len(context) - 1: the last token is not cached)
         budget = cfg.max_new_tokens - produced
         room = target.max_context - len(context)
-        if room <= 0:
-            yield Finished("max_new_tokens")
+        if room <= 0:  # the policy for a long run: stop when the model's context is full
+            yield Finished("context")
             return
         # never draft past the token budget or the context: a step emits drafts + 1
         k_step = max(0, min(k, budget - 1, room - 1)) if drafter else 0

@@ -23,6 +23,7 @@ class RunSession:
         self.steps: list[Step] = []
         self.stop_reason: str | None = None
         self._stop = threading.Event()
+        self._advancing = threading.Lock()  # held while the stream runs, so close() never cuts in
         self._stream = stream
 
     @classmethod
@@ -43,25 +44,38 @@ class RunSession:
 
     def advance(self) -> Step | None:
         """Run until the next step record (the first call also prefills); None once finished."""
-        for event in self._stream:
-            if isinstance(event, PrefillChunk):
-                self.prefill.append(event)
-            elif isinstance(event, Step):
-                self.steps.append(event)
-                return event
-            elif isinstance(event, Finished):
-                self.stop_reason = event.stop_reason
-                return None
-        self.stop_reason = self.stop_reason or "stopped"
-        return None
+        with self._advancing:
+            for event in self._stream:
+                if isinstance(event, PrefillChunk):
+                    self.prefill.append(event)
+                elif isinstance(event, Step):
+                    self.steps.append(event)
+                    return event
+                elif isinstance(event, Finished):
+                    self.stop_reason = event.stop_reason
+                    self._release()  # a finished run keeps its records, not its KV cache
+                    return None
+            self.stop_reason = self.stop_reason or "stopped"
+            return None
 
     def stop(self) -> None:
         """Ask a live run to stop before its next step (safe from another thread)."""
         self._stop.set()
 
     def close(self) -> None:
-        """Finish now and release the run's KV cache (the generator holds it)."""
-        getattr(self._stream, "close", lambda: None)()  # a live generator drops its cache
+        """Finish now and release the run's KV cache (safe from another thread). A run that is
+        advancing on another thread right now is asked to stop instead: it finishes, and so
+        releases its cache, at its next step."""
+        self._stop.set()
+        if not self._advancing.acquire(blocking=False):
+            return
+        try:
+            self._release()
+        finally:
+            self._advancing.release()
+
+    def _release(self) -> None:
+        getattr(self._stream, "close", lambda: None)()  # a live generator drops its KV cache
         self.stop_reason = self.stop_reason or "stopped"
 
     def trace(self) -> Trace:

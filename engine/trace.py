@@ -22,6 +22,9 @@ TRACE_VERSION = 1
 MAX_TRACE_BYTES = 20_000_000  # a trace upload larger than this is refused before parsing
 MAX_ITEMS = 200_000  # no list inside a trace may be longer
 MAX_DEPTH = 12  # JSON nesting deeper than the schema can ever be is refused
+MAX_OUTPUT_TOKENS = 4096  # no run emits more (engine.decoding.MAX_NEW_TOKENS is this)
+MAX_STEP_DRAFTS = 256  # no step of a trace drafts more (chains draft <= 16, the largest tree 16)
+STOP_REASONS = ("eos", "max_new_tokens", "context", "stopped")  # "context": the model's context is full
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class Trace:
     info: RunInfo
     prefill: tuple[PrefillChunk, ...]
     steps: tuple[Step, ...]
-    stop_reason: str  # "eos", "max_new_tokens" or "stopped"
+    stop_reason: str  # one of STOP_REASONS
     version: int = TRACE_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -223,10 +226,47 @@ def trace_from_json(text: str | bytes) -> Trace:
     if not isinstance(data, dict) or data.get("version") != TRACE_VERSION:
         raise InputError(f"not a Speculative Decoding Lab trace (version {TRACE_VERSION} expected)")
     trace = _build(Trace, data, "trace")
+    if trace.stop_reason not in STOP_REASONS:
+        raise InputError(f"trace field trace.stop_reason must be one of {', '.join(STOP_REASONS)}")
+    if len(trace.output_token_ids) > MAX_OUTPUT_TOKENS:
+        raise InputError(f"trace has {len(trace.output_token_ids)} output tokens (limit {MAX_OUTPUT_TOKENS})")
     for i, step in enumerate(trace.steps):
-        if not 0 <= step.accepted <= step.k or len(step.draft_token_ids) != step.k:
-            raise InputError(f"trace field trace.steps[{i}] is inconsistent (k, drafts, accepted)")
-        # the last step may be cut short by EOS or max_new_tokens, never lengthened
-        if not 1 <= len(step.emitted) <= step.accepted + 1:
-            raise InputError(f"trace field trace.steps[{i}] emits the wrong number of tokens")
+        problem = _step_problem(step, i)
+        if problem:
+            raise InputError(f"trace field trace.steps[{i}] is inconsistent ({problem})")
     return trace
+
+
+def _step_problem(step: Step, position: int) -> str | None:
+    """What makes a loaded step impossible for the decoding loop to have recorded, or None. The
+    views index these fields by draft position, so a hostile trace must not get past here."""
+    k = step.k
+    if step.index != position:
+        return "steps must be numbered 0, 1, 2, ..."
+    if k > MAX_STEP_DRAFTS:
+        return f"k must be at most {MAX_STEP_DRAFTS}"
+    if not 0 <= step.accepted <= k:
+        return "accepted must be in 0..k"
+    if any(len(drafts) != k for drafts in (step.draft_token_ids, step.draft_texts, step.draft_probs,
+                                          step.target_probs)):
+        return "k drafted ids, texts, draft_probs and target_probs"
+    # the last step may be cut short by EOS or max_new_tokens, never lengthened
+    if not 1 <= len(step.emitted) <= step.accepted + 1:
+        return "emits the wrong number of tokens"
+    if len(step.accept_probs) > k or len(step.draft_top) not in (0, k):
+        return "accept_probs and draft_top per drafted position"
+    if len(step.accept_uniforms) != (0 if step.sample_uniform is None else len(step.accept_probs)):
+        return "one uniform draw per accept_prob when sampling, none when greedy"
+    if step.draft_parents and (len(step.draft_parents) != k
+                               or any(not -1 <= p < j for j, p in enumerate(step.draft_parents))):
+        return "each draft's parent must be an earlier draft or -1"
+    if len(step.accepted_nodes) not in (0, step.accepted) or any(not 0 <= n < k for n in step.accepted_nodes):
+        return "accepted_nodes must be accepted draft positions"
+    if step.draft_ranks and (len(step.draft_ranks) != k or any(
+            len(ranks) > len(step.head_top) or any(not 0 <= r < len(step.head_top[d]) for d, r in enumerate(ranks))
+            for ranks in step.draft_ranks)):
+        return "draft_ranks must index head_top"
+    timings = (step.draft_s, step.verify_s, step.end_s)
+    if any(t < 0 for t in timings):
+        return "timings must be >= 0"
+    return None
