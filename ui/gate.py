@@ -18,6 +18,7 @@ from engine.errors import InputError
 from engine.sampling import SamplingConfig
 from engine.trace import to_jsonable
 from ui.common import as_float, as_int, default_preset, user_errors
+from ui.gpu import gpu
 from visualizations.bench import gate_chart, gate_table
 from visualizations.text import html_token
 
@@ -60,6 +61,7 @@ def verdict_markdown(gate: dict) -> str:
     return f"{head}\n\n{body}"
 
 
+@gpu
 @user_errors
 def run_gate_tab(method, rule, prompt_set, limit, k, temperature, samples, max_new_tokens, seed):
     cfg = gate_config(method, rule, prompt_set, limit, k, temperature, samples, max_new_tokens, seed)
@@ -91,4 +93,4 @@ def build_gate() -> None:
     table = gr.Dataframe(headers=["prompt", "verdict", "detail"], wrap=True, label="per prompt")
     chart = gr.Plot(label="gate")
     run.click(run_gate_tab, [method, rule, prompt_set, limit, k, temperature, samples, max_new_tokens, seed],
-              [verdict, table, chart], api_name="gate")
+              [verdict, table, chart], api_name="gate", concurrency_id="model")
