@@ -14,7 +14,7 @@ from engine.drafters import DrafterSpec, drafter_names
 from engine.errors import InputError
 from engine.metrics import summary, verify_steps
 from engine.models import load_model
-from engine.run import RunRequest
+from engine.run import MAX_PROMPT_CHARS, RunRequest
 from engine.sampling import SamplingConfig
 from engine.session import RunSession
 from engine.mtp.tree import tree_shapes
@@ -34,6 +34,9 @@ from visualizations import (
 UI_MAX_NEW_TOKENS = 512  # the cap shown on the slider; the engine's own limit is higher
 DEFAULT_PROMPT = "Rewrite this sentence in plain words: The quick brown fox jumps over the lazy dog."
 PENDING_PAUSE_S = 0.35  # how long a step's drafts show before the verdict
+IDLE_STATE_S = 30 * 60  # a browser session idle this long loses its run (and the run's KV cache)
+PROMPT_POLICY = (f"Up to {MAX_PROMPT_CHARS:,} characters. A prompt longer than the model's context is refused "
+                 "with a message; a run stops when the context is full.")
 CHAIN = "chain"  # the tree-shape choice for drafting a chain (every drafter but mtp drafts one)
 
 
@@ -339,10 +342,12 @@ def upload_trace(state, file):
 
 def build_playground():
     """Lay out the tab and wire it; returns the components other tabs (lessons) may preset."""
-    state = gr.State(None)
+    # each browser session gets its own copy from the start, so Stop reaches even a first run
+    state = gr.State(PlaygroundState(), time_to_live=IDLE_STATE_S, delete_callback=PlaygroundState.close)
     with gr.Row():
         with gr.Column(scale=1, min_width=320):
-            prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=4, max_lines=12, elem_id="prompt")
+            prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=4, max_lines=12, elem_id="prompt",
+                                max_length=MAX_PROMPT_CHARS, info=PROMPT_POLICY)
             with gr.Row():
                 preset = gr.Dropdown(preset_choices(), value=default_preset(), label="Model preset")
                 method = gr.Dropdown(methods(), value="prompt-lookup", label="Method (drafter)", elem_id="method")
