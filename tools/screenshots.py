@@ -3,8 +3,9 @@
     python tools/screenshots.py                      # launches the app on a free port
     python tools/screenshots.py --url http://127.0.0.1:7860/ --out docs
 
-Drives the page as a user would (type a prompt, press Generate, Compare, open the charts, switch
-to the Chunked prefill tab and compare two settings) and saves one PNG per view. The MTP tree is
+Drives the page as a user would (type a prompt, Step a sampled run a few times, run it to the
+end, Compare greedy decoding with the baseline, open the charts, switch to the Chunked prefill
+tab and compare two settings) and saves one PNG per view. The MTP tree is
 shot only when the mtp drafter can run on the preset (it needs trained heads). Needs chromium
 and chromedriver (apt: chromium chromium-driver) and selenium.
 """
@@ -38,8 +39,9 @@ from engine.models import load_model  # noqa: E402
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--hide-scrollbars", "--force-device-scale-factor=1")
-PROMPT = ("Copy this text exactly, then add one sentence of your own: The lighthouse keeper climbed the stairs "
-          "every evening, lit the lamp, and watched the ships pass in the dark.")
+PROMPT = "Repeat this list twice, exactly, one item per line: apples, pears, plums, cherries, grapes, lemons."
+SAMPLED_TEMPERATURE = 0.8  # sampling shows every token kind, the uniform draws and the residual
+VERIFY_SHOT_STEP = 4  # the verify table is shot after this many Step clicks (a mid-run step)
 MODEL_WAIT_S = 600  # a generation or a serving run on a busy CPU
 
 
@@ -120,12 +122,18 @@ class Page:
 def playground(page: Page) -> None:
     page.type_into("prompt", PROMPT)
     page.set_number("max-new-tokens", 64)
-    page.click("run-btn")
+    page.set_number("temperature", SAMPLED_TEMPERATURE)
+    for n in range(1, VERIFY_SHOT_STEP + 1):
+        page.click("step-btn")
+        page.wait_text("readout", f"in {n} target steps", "finished")
+    time.sleep(2)  # the verdict follows the drafts
+    page.shot("verify-accordion", "playground-verify-table")
+    page.click("run-btn")  # the same run, on to its end
     page.wait_text("readout", "finished")
     page.shot("token-stream", "playground-token-stream")
-    page.shot("verify-accordion", "playground-verify-table")
     page.shot(page.tab_panel(), "playground")
 
+    page.set_number("temperature", 0)  # greedy: the comparison checks the outputs are identical
     page.open_accordion("compare-accordion")
     page.click("compare-btn")
     page.wait_text("compare-readout", "measured speedup", "stopped", "differ")

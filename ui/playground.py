@@ -37,6 +37,7 @@ PENDING_PAUSE_S = 0.35  # how long a step's drafts show before the verdict
 IDLE_STATE_S = 30 * 60  # a browser session idle this long loses its run (and the run's KV cache)
 PROMPT_POLICY = (f"Up to {MAX_PROMPT_CHARS:,} characters. A prompt longer than the model's context is refused "
                  "with a message; a run stops when the context is full.")
+PROB_DECIMALS = 4
 CHAIN = "chain"  # the tree-shape choice for drafting a chain (every drafter but mtp drafts one)
 
 
@@ -158,7 +159,12 @@ def views(state: PlaygroundState, pending: bool = False):
     tree_update = gr.update(value=tree, visible=tree is not None)
     if detail is None:
         return stream, text, None, None, None, tree_update
-    return stream, text, detail.table, detail.target_top, detail.residual, tree_update
+    return stream, text, rounded(detail.table), rounded(detail.target_top), detail.residual, tree_update
+
+
+def rounded(table):
+    """Probabilities shown to 4 decimals (the values stay exact for API clients)."""
+    return table.style.format(precision=PROB_DECIMALS, na_rep="")
 
 
 def side_readout(label: str, session: RunSession) -> str:
@@ -355,7 +361,7 @@ def build_playground():
                 k = gr.Slider(1, MAX_K, value=4, step=1, label="k (draft length)")
                 adaptive = gr.Checkbox(False, label="adaptive k")
             with gr.Row():
-                temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
+                temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)", elem_id="temperature")
                 top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
             with gr.Row():
                 top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
