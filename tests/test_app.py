@@ -101,6 +101,18 @@ def test_chunked_prefill_compares_two_settings_and_streams_the_timeline(client):
     assert len(job.outputs()) > 1  # the timeline was streamed while the runs went
 
 
+def test_chunked_prefill_stop_ends_the_job_before_its_second_setting(client):
+    job = client.submit(api_name="/prefill_compare", policy="decode-first", chunk_size=64, policy_b="none",
+                        chunk_size_b=64, **PREFILL)
+    deadline = time.time() + 120
+    while not job.outputs() and time.time() < deadline:
+        time.sleep(0.1)
+    client.predict(api_name="/prefill_stop")
+    progress, timeline_a, timeline_b, *_ = job.result(timeout=300)
+    assert "**A: decode-first, chunk 64** (stopped)" in progress
+    assert timeline_b is None  # B never ran
+
+
 def test_chunked_prefill_bad_input_gets_a_message(client):
     with pytest.raises(Exception, match="minimum value 16"):
         client.predict(api_name="/prefill_run", policy="decode-first", chunk_size=3, **PREFILL)

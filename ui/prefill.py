@@ -27,7 +27,8 @@ from visualizations import itl_distribution_chart, itl_over_time_chart, serving_
 
 CHUNK_RANGE = (16, 2048)  # smaller chunks make a long prompt take hundreds of steps
 MAX_NEW_RANGE = (0, 256)  # 0: each request keeps the scenario's own limit
-REFRESH_S = 0.3  # how often the timeline is redrawn while a run is going
+REFRESH_S = 0.3  # how often the timeline is checked for progress while a run is going
+IDLE_STATE_S = 30 * 60  # a browser session idle this long loses its state
 SUMMARY_COLUMNS = ["setting", "token budget", "steps", "short ITL p50 (ms)", "short ITL p99 (ms)",
                    "short ITL max (ms)", "long TTFT p50 (ms)", "output tokens/s", "decodes during a prefill"]
 
@@ -89,17 +90,34 @@ class ServeRun:
         )
 
 
-@dataclass
-class PrefillState:
-    """Per-browser-session state (kept in gr.State): the run in progress, so Stop can reach it."""
+class PrefillJob:
+    """One press of Run or Compare: its settings run in turn until they end or it is stopped."""
 
-    running: ServeRun | None = None
-    stopped: bool = False
+    def __init__(self) -> None:
+        self.stopped = False
+        self.running: ServeRun | None = None
 
     def stop(self) -> None:
         self.stopped = True
         if self.running is not None:
             self.running.stop()
+
+
+@dataclass
+class PrefillState:
+    """Per-browser-session state (kept in gr.State): the job in progress, so Stop can reach it."""
+
+    job: PrefillJob | None = None
+
+    def start(self) -> PrefillJob:
+        """A new job; the session's previous one, if still going, is stopped."""
+        self.stop()
+        self.job = PrefillJob()
+        return self.job
+
+    def stop(self) -> None:
+        if self.job is not None:
+            self.job.stop()
 
 
 def scenario_choices() -> list[str]:
@@ -138,8 +156,8 @@ def setting_label(side: str, cfg: ServeConfig) -> str:
 def progress_text(label: str, run: ServeRun) -> str:
     steps = run.steps
     clock = f" · {steps[-1].end_s:.2f} s" if steps else ""
-    state = "stopped" if run.stopped else "running"
-    return (f"**{label}** ({state}): {len(steps)} steps · {len(run.finished)}/{len(run.workload.requests)} "
+    phase = "stopped" if run.stopped else "running"
+    return (f"**{label}** ({phase}): {len(steps)} steps · {len(run.finished)}/{len(run.workload.requests)} "
             f"requests finished{clock}")
 
 
@@ -174,17 +192,16 @@ def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[
                for side, cfg in ((side, serve_config(p, c, max_new_tokens)) for side, p, c in settings)]
     workload = load_workload(scenario)
     target = load_model(preset)
-    if state is not None:
-        state.stop()
-    state = PrefillState()
+    state = state or PrefillState()
+    job = state.start()
     timelines = [None, None]  # settings A and B side by side
     results: dict[str, ServeResult] = {}
     waiting = [gr.skip()] * 4  # summary and latency charts come when the runs are done
     try:
         for side, (label, cfg) in enumerate(configs):
-            if state.stopped:
+            if job.stopped:
                 break
-            run = state.running = ServeRun(target, workload, cfg)
+            run = job.running = ServeRun(target, workload, cfg)
             drawn = None
             while not run.wait(REFRESH_S):
                 progress = (len(run.steps), len(run.finished))
@@ -200,7 +217,7 @@ def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[
                 return
             results[label] = run.result()
     finally:
-        state.stop()  # also when the page goes away mid-run
+        job.stop()  # also when the page goes away mid-run
     done = " · ".join(f"**{label}**: {len(r.steps)} steps, {r.steps[-1].end_s:.2f} s" for label, r in results.items())
     yield (state, f"Done. {done}", *timelines, *final_views(results))
 
@@ -227,7 +244,8 @@ def stop(state):
 
 def build_prefill():
     """Lay out the tab and wire it; returns the components other tabs (lessons) may preset."""
-    state = gr.State(None)
+    # each browser session gets its own copy from the start, so Stop reaches even a first run
+    state = gr.State(PrefillState(), time_to_live=IDLE_STATE_S, delete_callback=PrefillState.stop)
     policies = [p.value for p in Policy]
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=280):
