@@ -92,6 +92,7 @@ def test_bench_json_contract(bench):
         "baseline": "transformers", "draft-model": "transformers:assistant_model",
         "prompt-lookup": "transformers:prompt_lookup_num_tokens", "early-exit": "transformers:assistant_early_exit"}
     assert all(r["engine_over_transformers"] > 0 for r in report["transformers"])
+    assert report["transformers_skipped"] == {}  # every variant applies to a Llama
     assert {p.name for p in out.iterdir()} >= {"bench.json", "bench.md", "charts.html"}
     assert "| prompt-lookup |" in (out / "bench.md").read_text()
 

@@ -33,7 +33,8 @@ def speed_chart(report: dict) -> go.Figure:
         mine = [r for r in rows if r["implementation"] == impl]
         if mine:
             fig.add_trace(go.Bar(
-                x=[plotly_label(r["method"]) for r in mine], y=[r["tokens_per_s_median"] for r in mine],
+                x=[plotly_label(r["method"]).replace(":", "<br>") for r in mine],  # transformers:<argument>
+                y=[r["tokens_per_s_median"] for r in mine],
                 name=impl, marker_color=color,
                 text=[f"{r['speedup']:.2f}x" if r["speedup"] is not None else "" for r in mine],
                 textposition="outside", hovertemplate="%{x}: %{y:.1f} tokens/s (%{text})<extra></extra>",

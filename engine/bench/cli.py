@@ -105,8 +105,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"{record.method} {record.prompt}", refresh=False)
             bar.update()
 
-        target, records = run_bench(cfg, on_run)
-    report = bench_report(cfg, target, records, _command(args), machine_state(target))
+        result = run_bench(cfg, on_run)
+    report = bench_report(cfg, result, _command(args), machine_state(result.target))
     text = markdown(report)
     if args.out:
         written = write_bench(report, text, args.out)

@@ -27,7 +27,7 @@ import transformers
 
 from engine.bench.hf import hf_methods_for
 from engine.bench.methods import BASELINE
-from engine.bench.runner import BenchConfig, RunRecord
+from engine.bench.runner import BenchConfig, BenchRun, RunRecord
 from engine.metrics import itl_per_step_s, summary
 from engine.models import LoadedModel
 
@@ -107,9 +107,9 @@ def method_row(method: str, implementation: str, records: list[RunRecord], promp
     return row
 
 
-def bench_report(cfg: BenchConfig, target: LoadedModel, records: list[RunRecord], command: str,
-                 machine: dict) -> dict:
+def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict) -> dict:
     """The `bench --json` object (a stable contract: later features add keys, never rename)."""
+    target, records = result.target, result.records
     greedy = cfg.decode.sampling.greedy
     prompts = [p.key for p in cfg.prompts]
     base = [r for r in records if r.method == BASELINE and r.implementation == "engine"]
@@ -124,6 +124,8 @@ def bench_report(cfg: BenchConfig, target: LoadedModel, records: list[RunRecord]
     if cfg.vs_transformers:
         by_method = {row["method"]: row for row in engine_rows}
         for hf in hf_methods_for(cfg.methods):
+            if hf.name in result.skipped:
+                continue
             row = method_row(hf.name, "transformers", records, prompts, base_tps, base_outputs, baseline_step_s,
                              greedy)
             row["engine_method"] = hf.engine_method
@@ -162,6 +164,7 @@ def bench_report(cfg: BenchConfig, target: LoadedModel, records: list[RunRecord]
         "baseline_step_ms": baseline_step_s * 1000 if baseline_step_s is not None else None,
         "results": engine_rows,
         "transformers": hf_rows,
+        "transformers_skipped": result.skipped,
         "runs": [
             {"method": r.method, "implementation": r.implementation, "prompt": r.prompt, "repeat": r.repeat,
              "order": r.order, "output_tokens": len(r.output_token_ids), "wall_s": r.wall_s,
@@ -191,7 +194,8 @@ def markdown(report: dict) -> str:
         f"{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; k = {report['k']}, temperature {report['temperature']}, "
         f"{report['max_new_tokens']} new tokens{' (EOS ignored)' if report['ignore_eos'] else ''}, "
         f"{len(report['prompts'])} prompts ({min(report['prompt_tokens'].values())}-"
-        f"{max(report['prompt_tokens'].values())} tokens), {report['repeats']} interleaved repeats, medians; "
+        f"{max(report['prompt_tokens'].values())} tokens), {report['repeats']} interleaved "
+        f"repeat{'s' if report['repeats'] != 1 else ''}, medians; "
         f"chunk size {report['chunk_size'] or 'none (one prefill forward)'}, concurrency {report['concurrency']}, "
         f"decode traffic active: {'yes' if report['decode_traffic_active'] else 'no'}; "
         f"{report['evidence_class']}. {m['cpu_count']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), "
@@ -224,6 +228,8 @@ def markdown(report: dict) -> str:
                 f"| {r['engine_method']} | {_fmt(r['engine_over_transformers'], '.2f', 'x')} "
                 f"| {_flag(r['identical_to_baseline'])} |"
             )
+    for name, reason in report["transformers_skipped"].items():
+        lines.append(f"\n{name}: skipped ({reason})")
     rows = report["results"] + report["transformers"]
     lines += [
         "",

@@ -3,7 +3,9 @@
 Each (repeat, prompt) round runs every entrant (the engine's methods, then transformers'
 variants with --vs-transformers) once, in an order rotated by one place per round, so no
 entrant always runs first (or right after the same neighbour) while the machine's state drifts.
-Every entrant is warmed up once before the timings (lazy kernels, caches, first-call costs).
+Every entrant is warmed up once before the timings (lazy kernels, caches, first-call costs); a
+transformers variant that fails there (an architecture its generate() does not support for that
+argument) is left out and reported as skipped, with the reason.
 Engine runs are timed by the run clock (engine.decoding.RunClock: the request's start to its
 last token, prefill included); transformers' generate() is timed around the call, the same span.
 """
@@ -83,11 +85,10 @@ def _engine_entrant(cfg: BenchConfig, method: str) -> Entrant:
 
 
 def _hf_entrant(cfg: BenchConfig, target: LoadedModel, method: HFMethod) -> Entrant:
-    assistant = assistant_for(method, target, cfg.options)
-
     def run(prompt: Prompt, decode: DecodeConfig):
         prompt_ids = target.encode(prompt.text, raw=prompt.raw)
         config = generation_config(method, target, decode, cfg.options)
+        assistant = assistant_for(method, target, cfg.options)  # loaded once per process (models.load_model)
         ids, wall = hf_generate(target, prompt_ids, config, assistant, decode.sampling.seed)
         return prompt_ids, ids, wall, None
 
@@ -113,15 +114,34 @@ def rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def run_bench(
-    cfg: BenchConfig, on_run: Callable[[RunRecord], None] = lambda r: None
-) -> tuple[LoadedModel, list[RunRecord]]:
+@dataclass(frozen=True)
+class BenchRun:
+    target: LoadedModel
+    records: list[RunRecord]
+    skipped: dict[str, str]  # transformers variant -> why it was left out
+
+
+def warm_up(players: list[Entrant], prompt: Prompt, decode: DecodeConfig) -> tuple[list[Entrant], dict[str, str]]:
+    """Run each entrant once, untimed. An engine failure is raised; a transformers variant that
+    fails is dropped (its generate() does not support this model for that argument)."""
+    kept, skipped = [], {}
+    for player in players:
+        try:
+            player.run(prompt, decode)
+        except Exception as err:  # transformers' own code: any failure means "not supported here"
+            if player.implementation == "engine":
+                raise
+            skipped[player.method] = f"{err.__class__.__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            continue
+        kept.append(player)
+    return kept, skipped
+
+
+def run_bench(cfg: BenchConfig, on_run: Callable[[RunRecord], None] = lambda r: None) -> BenchRun:
     """Run the benchmark; on_run sees each record as it is made (a progress bar)."""
     target = load_model(cfg.model)
-    players = entrants(cfg, target)
     warm = replace(cfg.decode, max_new_tokens=min(WARM_UP_TOKENS, cfg.decode.max_new_tokens))
-    for player in players:
-        player.run(cfg.prompts[0], warm)
+    players, skipped = warm_up(entrants(cfg, target), cfg.prompts[0], warm)
     records: list[RunRecord] = []
     for repeat in range(cfg.repeats):
         for p, prompt in enumerate(cfg.prompts):
@@ -132,7 +152,7 @@ def run_bench(
                                    len(prompt_ids), tuple(output), wall, trace)
                 records.append(record)
                 on_run(record)
-    return target, records
+    return BenchRun(target, records, skipped)
 
 
 def total_runs(cfg: BenchConfig) -> int:
