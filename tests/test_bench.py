@@ -272,3 +272,13 @@ def test_gate_tab_validates_and_renders(tiny_target, sets, capsys):
                      "--prompts", Path(sets / "tiny.yaml"), "--max-new-tokens", "6")
     text = verdict_markdown(result)
     assert "FAIL" in text and "LOSSY" in text
+
+
+def test_gate_tab_handler_runs_the_gate(tiny_target, monkeypatch):
+    from ui.gate import run_gate_tab
+
+    monkeypatch.setenv("SPECLAB_PRESET", tiny_target)  # the tab runs on the app's model
+    updates = list(run_gate_tab("prompt-lookup", "exact", "chat", 1, 3, 0, 100, 6, 0))
+    assert len(updates) == 2 and "Running the baseline" in updates[0][0]
+    verdict, table, chart = updates[1]
+    assert verdict.startswith("## ✅ PASS") and list(table["verdict"]) == ["pass"] and chart.layout.title.text
