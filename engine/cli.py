@@ -19,7 +19,7 @@ from engine.sampling import SamplingConfig
 from engine.trace import Step
 
 EXIT_BAD_INPUT = 2
-EXIT_INTERNAL = 1
+EXIT_INTERNAL = 3  # 1 is a failed quality gate
 # subcommands defined next to what they run; each module has register(subparsers)
 SUBCOMMAND_MODULES: tuple[str, ...] = ("engine.serving.cli", "engine.bench.cli", "engine.profiling")
 

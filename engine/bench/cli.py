@@ -110,7 +110,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     text = markdown(report)
     if args.out:
         written = write_bench(report, text, args.out)
-        print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+        print("wrote " + ", ".join(str(p) for p in written) + f"; charts: python tools/bench_charts.py {args.out}",
+              file=sys.stderr)
     print(json.dumps(report, ensure_ascii=False, allow_nan=False) if args.json else text)
     return 0
 
