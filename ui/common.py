@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import html
 import inspect
 import os
 import tempfile
@@ -22,6 +23,12 @@ def preset_choices() -> list[str]:
     return list(presets())
 
 
+def user_error(err: InputError) -> gr.Error:
+    """The message as the page shows it. Gradio renders a message as HTML, and messages quote what
+    was sent (a trace file's values), so <, > and & are escaped: markup shows as text."""
+    return gr.Error(html.escape(str(err), quote=False), print_exception=False)
+
+
 def user_errors(fn):
     """Turn bad input into a visible message (and an error for API clients), never a traceback."""
 
@@ -30,14 +37,14 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except InputError as err:
-            raise gr.Error(str(err), print_exception=False) from None
+            raise user_error(err) from None
 
     @functools.wraps(fn)
     def gen_wrapper(*args, **kwargs):
         try:
             yield from fn(*args, **kwargs)
         except InputError as err:
-            raise gr.Error(str(err), print_exception=False) from None
+            raise user_error(err) from None
 
     return gen_wrapper if inspect.isgeneratorfunction(fn) else wrapper
 
