@@ -135,6 +135,15 @@ def test_mutated_traces_are_refused_or_replay_without_a_crash(traces):
     assert refused > 100 and rendered > 10
 
 
+def test_error_messages_show_markup_as_text():
+    from ui.common import user_error
+
+    assert user_error(InputError(f"unknown value '{HOSTILE}'")).message == \
+        "unknown value '&lt;img src=x onerror=alert(1)>'"
+    for plain in ("top-k must be an integer >= 0 (got -1)", "temperature must be <= 100", "k < 3 & k > 1"):
+        assert user_error(InputError(plain)).message == plain
+
+
 # runs release their KV cache; the context policy
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import html
 import inspect
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -23,10 +23,20 @@ def preset_choices() -> list[str]:
     return list(presets())
 
 
+# what HTML reads as the start of a tag or a character reference; any other < or & is plain text
+_MARKUP = re.compile(r"<(?=[A-Za-z/!?])|&(?=[#A-Za-z0-9])")
+
+
 def user_error(err: InputError) -> gr.Error:
-    """The message as the page shows it. Gradio renders a message as HTML, and messages quote what
-    was sent (a trace file's values), so <, > and & are escaped: markup shows as text."""
-    return gr.Error(html.escape(str(err), quote=False), print_exception=False)
+    """The message as the page shows it. Gradio renders a message as HTML and messages quote what
+    was sent (a trace file's values), so every < that could open a tag and every & that could
+    open a character reference is escaped: markup shows as text, "k <= 16" stays as it is.
+
+    >>> user_error(InputError("unknown value '<img src=x>' & k <= 16; a &amp; b")).message
+    "unknown value '&lt;img src=x>' & k <= 16; a &amp;amp; b"
+    """
+    text = _MARKUP.sub(lambda m: "&lt;" if m.group() == "<" else "&amp;", str(err))
+    return gr.Error(text, print_exception=False)
 
 
 def user_errors(fn):
