@@ -44,7 +44,8 @@ from ui.playground import CHAIN
 from ui.playground import reset as reset_playground
 
 TAB_IDS = {Target.PLAYGROUND: "playground", Target.CHUNKED_PREFILL: "prefill"}  # app.py's tab ids
-TRY_LABELS = {Target.PLAYGROUND: "▶ Try it in the playground", Target.CHUNKED_PREFILL: "▶ Try it in chunked prefill"}
+TRY_LABELS = {Target.PLAYGROUND: "▶ Try it in the playground",
+              Target.CHUNKED_PREFILL: "▶ Try it in chunked prefill"}
 # The playground's settings a preset sets; the ones a preset has no field for go back to their defaults.
 PLAYGROUND_FIELDS = ("prompt", "method", "k", "adaptive", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
                      "raw", "rule", "tree")
@@ -70,8 +71,8 @@ def endpoint(lesson: Lesson, what: str) -> str:
 
 def feedback_text(feedback: Feedback) -> str:
     if feedback.correct:
-        return f"✅ **Correct**\n\n{feedback.explanation}"
-    return f"❌ **Not quite.** The answer: **{feedback.answer}**\n\n{feedback.explanation}"
+        return f"✓ **Correct**\n\n{feedback.explanation}"
+    return f"✗ **Not quite.** The answer: **{feedback.answer}**\n\n{feedback.explanation}"
 
 
 def score_text(progress: dict, lesson: Lesson) -> str:
@@ -94,7 +95,7 @@ def overview_text(progress: dict, lessons: tuple[Lesson, ...]) -> str:
 
 
 def verdict_html(ok: bool, message: str) -> str:
-    kind, mark = ("genuine", "✅ Genuine") if ok else ("rejected", "❌ Rejected")
+    kind, mark = ("genuine", "✓ Genuine") if ok else ("rejected", "✗ Rejected")
     return f'<p class="speclab-verdict {kind}">{mark}: {html.escape(message)}</p>'
 
 
@@ -105,7 +106,8 @@ def answer(lessons: tuple[Lesson, ...], lesson: Lesson, question: Question, prog
         raise InputError("this question is answered already: press Retry lesson to answer the lesson again")
     feedback, progress = submit(progress, lesson, question.id, given)
     locked = gr.update(interactive=False)
-    return progress, feedback_text(feedback), score_text(progress, lesson), overview_text(progress, lessons), locked, locked
+    return (progress, feedback_text(feedback), score_text(progress, lesson), overview_text(progress, lessons),
+            locked, locked)
 
 
 def retry(lessons: tuple[Lesson, ...], lesson: Lesson, progress: dict):
@@ -254,7 +256,7 @@ def build_lessons(playground: dict, prefill: dict | None, tabs: gr.Tabs) -> None
     with gr.Row():
         with gr.Column(scale=1, min_width=240):
             picker = gr.Radio([(f"{lesson.order}. {lesson.title}", lesson.id) for lesson in lessons]
-                              + [("🎓 Certificate", CERTIFICATE_PAGE), ("Verify a certificate", VERIFY_PAGE)],
+                              + [("Certificate", CERTIFICATE_PAGE), ("Verify a certificate", VERIFY_PAGE)],
                               value=lessons[0].id, label="Course", elem_id="lesson-picker")
         with gr.Column(scale=4):
             pages = [_lesson_page(lesson, start, lesson is lessons[0], prefill) for lesson in lessons]
