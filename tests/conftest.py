@@ -13,6 +13,18 @@ import pytest  # noqa: E402
 from tiny import tiny_llama  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and the CPUs may be shared: one thread is quicker
+    (two threads on a busy machine spin-wait; seen 50x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """Folder of a tiny random Llama target (seed 0)."""

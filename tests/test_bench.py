@@ -36,13 +36,7 @@ DESIGN_FIELDS = ("device", "dtype", "model", "prompt_tokens", "k", "temperature"
                  "decode_traffic_active", "evidence_class")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and the CPUs may be shared: one thread is quicker."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

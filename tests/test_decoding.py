@@ -14,6 +14,8 @@ from engine.run import RunRequest, collect, prepare, report, run
 from engine.sampling import SamplingConfig
 from engine.trace import Step, trace_from_json, trace_to_json
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [5, 9, 14, 3, 22, 5, 9, 14, 7, 30, 31, 5, 9]  # repeats, so prompt lookup finds n-grams
 
 

@@ -19,6 +19,8 @@ from engine.sampling import SamplingConfig
 from engine.trace import Step
 from tiny import tiny_llama
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [3, 17, 42, 8]
 RUNS = 3000
 ALPHA = 1e-3
