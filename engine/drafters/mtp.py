@@ -22,7 +22,7 @@ from engine.drafters.base import DraftProposal, DrafterSpec, register
 from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads, load_heads
-from engine.mtp.native import NativeMTPDrafter, has_mtp_layers
+from engine.mtp.native import NativeMTP, has_mtp_layers
 from engine.mtp.tree import TreeShape, tree_shape
 from engine.mtp.weights import find_weights, resolve_weights
 from engine.sampling import SamplingConfig, choose, probs_from_logits
@@ -57,6 +57,20 @@ class MTPHeadsDrafter:
         node_probs = probs[[len(p) - 1 for p in paths]]  # (nodes, V): each node's head distribution
         return DraftProposal(ids, node_probs, parents=self.tree.parents, head_probs=probs[: self.tree.depth],
                              ranks=paths)
+
+
+class NativeMTPDrafter:
+    name = "mtp"
+
+    def __init__(self, target: LoadedModel):
+        self.layers = NativeMTP(target)
+
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
+        self.layers.observe(context, accepted, hidden)
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+        ids, probs = self.layers.draft(context, k, sampling, rng)
+        return DraftProposal(ids, probs)
 
 
 @register("mtp")

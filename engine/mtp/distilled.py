@@ -1,9 +1,10 @@
 """The distilled draft model: a small causal LM of the target's own architecture made of the
-target's first L decoder layers (trained by `python -m engine.train draft-model` to match the
-target's next-token distribution), sharing the target's embedding, final norm and LM head.
+target's first L decoder layers and a copy of its final norm (trained by `python -m engine.train
+draft-model` to match the target's next-token distribution), sharing the target's embedding and
+LM head.
 
-Only the L trained layers are stored (engine/weights/<name>/); the shared modules are the
-target's own objects at load time (no second copy). Loaded through the draft spec
+Only the trained layers and norm are stored (engine/weights/<name>/); the shared modules are
+the target's own objects at load time (no second copy). Loaded through the draft spec
 "distilled:<name or folder>" (engine.models.load_model), so `--method draft-model` uses it like
 any other draft model, with its own KV cache.
 """
@@ -23,8 +24,8 @@ KIND = "draft-model"
 
 
 def build_draft(target: LoadedModel, layers: int) -> torch.nn.Module:
-    """A model of the target's class with copies of its first `layers` decoder layers, sharing
-    its embedding, final norm, rotary embedding and LM head (the same modules)."""
+    """A model of the target's class with copies of its first `layers` decoder layers and of its
+    final norm, sharing its embedding, rotary embedding and LM head (the same modules)."""
     base = target.model
     n = base.config.num_hidden_layers
     if not 1 <= layers < n:
@@ -36,7 +37,7 @@ def build_draft(target: LoadedModel, layers: int) -> torch.nn.Module:
     with torch.device("meta"):
         draft = type(base)(config)
     draft.model.embed_tokens = base.model.embed_tokens
-    draft.model.norm = base.model.norm
+    draft.model.norm = copy.deepcopy(base.model.norm)  # layer L's outputs differ in scale from layer N's
     draft.model.rotary_emb = base.model.rotary_emb
     draft.model.layers = torch.nn.ModuleList(copy.deepcopy(layer) for layer in base.model.layers[:layers])
     draft.lm_head = base.get_output_embeddings()
@@ -45,9 +46,9 @@ def build_draft(target: LoadedModel, layers: int) -> torch.nn.Module:
     return draft.eval()
 
 
-def layer_weights(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trained (stored) parameters: the decoder layers only."""
-    return {f"layers.{k}": v for k, v in draft.model.layers.state_dict().items()}
+def trained_modules(draft: torch.nn.Module) -> torch.nn.ModuleDict:
+    """What training changes and the weights file stores: the decoder layers and the norm."""
+    return torch.nn.ModuleDict({"layers": draft.model.layers, "norm": draft.model.norm})
 
 
 def load_distilled(spec: str, folder: Path, target: LoadedModel) -> LoadedModel:
@@ -55,7 +56,5 @@ def load_distilled(spec: str, folder: Path, target: LoadedModel) -> LoadedModel:
     if card["vocab_size"] != target.vocab_size or card["hidden_size"] != target.model.config.hidden_size:
         raise InputError(f"the draft model in {folder} does not fit {target.spec!r} (hidden size or vocabulary)")
     draft = build_draft(target, card["layers"])
-    weights = load_weights(folder, target.device, target.dtype)
-    layers = {k.removeprefix("layers."): v for k, v in weights.items()}
-    draft.model.layers.load_state_dict(layers, strict=True)
+    trained_modules(draft).load_state_dict(load_weights(folder, target.device, target.dtype), strict=True)
     return LoadedModel(spec, draft.requires_grad_(False), target.tokenizer, target.device, target.dtype)

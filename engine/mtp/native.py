@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from engine.drafters.base import DraftProposal
 from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.sampling import SamplingConfig, choose, probs_from_logits
@@ -28,8 +27,8 @@ def has_mtp_layers(target: LoadedModel) -> bool:
     return bool(getattr(target.model.config.get_text_config(), "num_mtp_layers", None))
 
 
-class NativeMTPDrafter:
-    name = "mtp"
+class NativeMTP:
+    """The target's MTP layers with per-depth caches, fed the target's hidden states."""
 
     def __init__(self, target: LoadedModel):
         from transformers.modeling_layers import MtpModel
@@ -63,7 +62,10 @@ class NativeMTPDrafter:
         return logits[: self.vocab]
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+    def draft(
+        self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k tokens drafted depth by depth: ids (k,) and their draft_probs (k, V)."""
         n = len(context) - 2  # the last position with a target hidden state (it chose context[-1])
         drafts: list[int] = []
         probs = []
@@ -86,4 +88,4 @@ class NativeMTPDrafter:
             self.states[d] = torch.cat([self.states[d], out[:settled]])
             self.caches[d - 1].crop(settled - out.shape[0])  # drop the transient entries
             below = torch.cat([self.states[d], out[settled:]])
-        return DraftProposal(torch.tensor(drafts, dtype=torch.long), torch.stack(probs))
+        return torch.tensor(drafts, dtype=torch.long), torch.stack(probs)

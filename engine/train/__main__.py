@@ -1,4 +1,4 @@
-"""python -m engine.train {prompts, mtp-heads, draft-model} [options]
+"""python -m engine.train {prompts, data, mtp-heads, draft-model} [options]
 
 Both trainers first self-distil (the target answers the shipped prompt set; cached under
 $SPECLAB_CACHE/train, so reruns skip it), then train, then write weights + card.json to --out.
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prompts", help=f"rewrite {PROMPTS_FILE.name} from its templates")
+    _data_args(sub.add_parser("data", help="only self-distil: the target answers the prompts (cached)"), "unused")
     heads = sub.add_parser("mtp-heads", help="train Medusa-style MTP heads")
     _data_args(heads, "mtp-heads")
     heads.add_argument("--heads", type=int, default=HeadsConfig.heads)
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         data = build_dataset(target, DataConfig(args.max_new_tokens, args.data_batch, limit=args.limit), Path(args.prompts))
         data.info["load_s"] = round(time.perf_counter() - begin, 1)
         command = "python -m engine.train " + " ".join(argv)
+        if args.command == "data":
+            print(f"{data.info['prompts']} answers, {data.tokens('train')} train and {data.tokens('heldout')} "
+                  f"held-out positions")
+            return 0
         if args.command == "mtp-heads":
             cfg = HeadsConfig(heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
             card = train_heads(target, data, cfg, Path(args.out), command)

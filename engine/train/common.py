@@ -32,11 +32,11 @@ def cosine_lr(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train_vocabulary(examples: list[Example]) -> torch.Tensor:
-    """Every token the training data mentions (its sequences and the target's top-K lists),
-    sorted. Heads are trained with the softmax over these tokens only (4 heads x the full
-    vocabulary costs too much on a small CPU); they are evaluated over the full vocabulary."""
-    ids = torch.cat([torch.cat([e.ids.long(), e.top_ids.long().flatten()]) for e in examples])
+def train_vocabulary(examples: list[Example], top: int = 4) -> torch.Tensor:
+    """The tokens the training data mentions: its sequences and the target's `top` likeliest
+    tokens at every position, sorted. Heads are trained with the softmax over these only (4 heads
+    x the full vocabulary costs too much on a small CPU); they are evaluated over the full one."""
+    ids = torch.cat([torch.cat([e.ids.long(), e.top_ids[:, :top].long().flatten()]) for e in examples])
     return torch.unique(ids)
 
 

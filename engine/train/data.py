@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ class DataConfig:
     max_new_tokens: int = 96  # response length cap per prompt
     batch_size: int = 32  # prompts answered together (left padded)
     top_logits: int = 32  # target logits kept per position for the draft model's KL
-    limit: int = 0  # answer only the first N prompts (0: all); smoke tests use a few
+    limit: int = 0  # use only the first N prompts (0: all); smoke tests use a few
 
 
 @dataclass
@@ -43,6 +42,9 @@ class Example:
     top_logits: torch.Tensor  # (R, K) fp16 and their logits
 
 
+ANSWER_FIELDS = ("ids", "prompt_len", "hidden", "top_ids", "top_logits")
+
+
 @dataclass
 class Dataset:
     examples: list[Example]
@@ -55,9 +57,11 @@ class Dataset:
         return sum(e.hidden.shape[0] for e in self.split(name))
 
 
-def _cache_file(target: LoadedModel, prompts_file: Path, cfg: DataConfig) -> Path:
-    key = json.dumps([target.spec, str(target.dtype), prompts_file.read_text(encoding="utf-8"), asdict(cfg)])
-    return cache_root() / "train" / f"distill-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+def _cache_file(target: LoadedModel, cfg: DataConfig) -> Path:
+    """Answers are cached per prompt text, under what changes them: the target and the
+    answer settings (not the batch size, which only moves float rounding)."""
+    key = json.dumps([target.spec, str(target.dtype), cfg.max_new_tokens, cfg.top_logits])
+    return cache_root() / "train" / f"answers-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
 def _pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +72,9 @@ def _pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.inference_mode()
-def _answer_batch(target: LoadedModel, batch: list[dict], cfg: DataConfig) -> list[Example]:
+def _answer_batch(target: LoadedModel, batch: list[str], cfg: DataConfig) -> list[dict]:
     model = target.model
-    prompts = [target.encode(p["prompt"]) for p in batch]
+    prompts = [target.encode(text) for text in batch]
     eos = sorted(target.eos_token_ids)
     ids, mask = _pad_left(prompts, eos[0])
     out = model.generate(
@@ -81,57 +85,46 @@ def _answer_batch(target: LoadedModel, batch: list[dict], cfg: DataConfig) -> li
     # step 0 is the prefill (last position chose response token 0); step s > 0 chose token s
     last = [step[-1][:, -1] for step in out.hidden_states]  # R_max x (B, H)
     hidden = torch.stack(last, dim=1)  # (B, R_max, H)
-    examples = []
-    for b, p in enumerate(batch):
+    answers = []
+    for b in range(len(batch)):
         resp = responses[b].tolist()
         length = next((i + 1 for i, t in enumerate(resp) if t in target.eos_token_ids), len(resp))
         h = hidden[b, :length].float()  # (R, H)
         logits = model.get_output_embeddings()(h)  # (R, V): the target's next-token logits
         top = torch.topk(logits, cfg.top_logits, dim=-1)
-        examples.append(Example(
-            prompt_id=p["id"], category=p["category"], split=p["split"],
-            ids=torch.tensor(prompts[b] + resp[:length]), prompt_len=len(prompts[b]),
-            hidden=h.half(), top_ids=top.indices.to(torch.int32), top_logits=top.values.half(),
-        ))
-    return examples
+        answers.append({
+            "ids": torch.tensor(prompts[b] + resp[:length]), "prompt_len": len(prompts[b]), "hidden": h.half(),
+            "top_ids": top.indices.to(torch.int32), "top_logits": top.values.half(),
+        })
+    return answers
+
+
+def _save(store: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(store, tmp)
+    tmp.replace(path)  # atomic: an interrupted run keeps every batch saved before it
 
 
 def build_dataset(target: LoadedModel, cfg: DataConfig = DataConfig(), prompts_file: Path = PROMPTS_FILE) -> Dataset:
-    """Answer every prompt with the target (greedy) and keep hidden states and top logits;
-    cached on disk under the settings' hash, so a second call only loads."""
-    path = _cache_file(target, prompts_file, cfg)
-    if path.is_file():
-        saved = torch.load(path, weights_only=False)
-        return Dataset([Example(**e) for e in saved["examples"]], saved["info"])
+    """The target's greedy answer to every prompt, with hidden states and top logits. Answers
+    are cached per prompt (saved after each batch), so reruns, interrupted runs and a grown
+    prompt set only answer what is missing."""
+    path = _cache_file(target, cfg)
+    store = torch.load(path, weights_only=False) if path.is_file() else {"answers": {}, "seconds": 0.0}
     prompts = read_prompts(prompts_file)
     if cfg.limit:
         prompts = prompts[: cfg.limit]
-    # similar lengths together: less padding per batch
-    order = sorted(prompts, key=lambda p: len(target.encode(p["prompt"])))
-    batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
-    parts = path.with_suffix(".parts")  # finished batches: an interrupted run resumes from them
-    parts.mkdir(parents=True, exist_ok=True)
-    examples: list[Example] = []
-    generation_s = 0.0
-    for b, batch in enumerate(tqdm(batches, desc="self-distillation (target answers)", unit="batch")):
-        part = parts / f"{b:04d}.pt"
-        if not part.is_file():
-            begin = time.perf_counter()
-            answered = _answer_batch(target, batch, cfg)
-            tmp = part.with_suffix(".tmp")
-            torch.save({"examples": [asdict(e) for e in answered], "seconds": time.perf_counter() - begin}, tmp)
-            tmp.replace(part)
-        saved = torch.load(part, weights_only=False)
-        examples.extend(Example(**e) for e in saved["examples"])
-        generation_s += saved["seconds"]
-    examples.sort(key=lambda e: e.prompt_id)
+    todo = sorted({p["prompt"] for p in prompts} - set(store["answers"]), key=lambda text: len(target.encode(text)))
+    batches = [todo[i : i + cfg.batch_size] for i in range(0, len(todo), cfg.batch_size)]  # similar lengths together
+    for batch in tqdm(batches, desc="self-distillation (target answers)", unit="batch"):
+        begin = time.perf_counter()
+        store["answers"].update(zip(batch, _answer_batch(target, batch, cfg)))
+        store["seconds"] += time.perf_counter() - begin
+        _save(store, path)
+    examples = [Example(p["id"], p["category"], p["split"], **store["answers"][p["prompt"]]) for p in prompts]
     info = {
         "model": target.spec, "prompts_file": prompts_file.name, "prompts": len(examples),
-        "settings": asdict(cfg), "generation_s": round(generation_s, 1),
+        "settings": asdict(cfg), "generation_s": round(store["seconds"], 1),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"examples": [asdict(e) for e in examples], "info": info}, tmp)
-    tmp.replace(path)
-    shutil.rmtree(parts)
     return Dataset(examples, info)

@@ -1,7 +1,7 @@
 """`python -m engine.train draft-model`: distil the target into its first L layers.
 
-The draft (engine/mtp/distilled.py) starts as the target's first L decoder layers under the
-target's final norm and LM head (both shared and frozen); only the layers train. At every
+The draft (engine/mtp/distilled.py) starts as the target's first L decoder layers under a copy
+of the target's final norm and its LM head (shared, frozen); the layers and the norm train. At every
 response position it learns the target's next-token distribution: cross-entropy against the
 target's top-K probabilities, renormalised (the KL to them up to a constant).
 """
@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from engine.models import LoadedModel
-from engine.mtp.distilled import KIND, build_draft, layer_weights
+from engine.mtp.distilled import KIND, build_draft, trained_modules
 from engine.mtp.weights import save_weights
 from engine.train.common import card_base, cosine_lr, seed_everything
 from engine.train.data import Dataset, Example
@@ -25,9 +25,9 @@ from engine.train.data import Dataset, Example
 @dataclass(frozen=True)
 class DraftConfig:
     layers: int = 4
-    steps: int = 150
+    steps: int = 500
     batch: int = 4  # answers per step
-    lr: float = 3e-4
+    lr: float = 1e-3
     warmup: int = 10
     seed: int = 0
 
@@ -67,10 +67,10 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
     gen = seed_everything(cfg.seed)
     pad = min(target.eos_token_ids)
     draft = build_draft(target, cfg.layers)
-    draft.model.layers.requires_grad_(True)
+    trained = trained_modules(draft).requires_grad_(True)
     train, heldout = data.split("train"), data.split("heldout")
     before = evaluate(draft, heldout, pad)
-    opt = torch.optim.AdamW(draft.model.layers.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(trained.parameters(), lr=cfg.lr, weight_decay=0.0)
     begin = time.perf_counter()
     draft.train()
     bar = tqdm(range(cfg.steps), desc="draft-model", unit="step")
@@ -94,10 +94,10 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
     card = card_base(KIND, target, data, command)
     card.update({
         "layers": cfg.layers,
-        "predicts": "the next token, as the target's first `layers` decoder layers + final norm + LM head",
+        "predicts": "the next token: the target's first `layers` decoder layers (trained) + a final norm (trained) + its LM head",
         "training": {**asdict(cfg), "final_loss": round(loss.item(), 4), "train_s": round(train_s, 1)},
         "heldout": after,
         "heldout_untrained": before,
     })
-    save_weights(out, layer_weights(draft), card)
+    save_weights(out, trained.state_dict(), card)
     return card

@@ -29,9 +29,9 @@ TREE_SIZES = (4, 8, 16, 32, 64)  # node counts of the trees the card suggests
 @dataclass(frozen=True)
 class HeadsConfig:
     heads: int = 4
-    steps: int = 500
+    steps: int = 1500
     batch: int = 256  # hidden states (positions) per step
-    lr: float = 1e-3
+    lr: float = 3e-3
     warmup: int = 20
     seed: int = 0
 

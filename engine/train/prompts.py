@@ -12,7 +12,8 @@ import random
 from pathlib import Path
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
-PER_CATEGORY = 72
+PER_CATEGORY = 72  # prompts per category and round
+ROUNDS = 2
 HELDOUT_EVERY = 8  # one prompt in eight is held out
 
 SUBJECTS = [
@@ -118,28 +119,42 @@ def _fill(template: str, rng: random.Random) -> str:
     )
 
 
-def build_prompts(seed: int = 0) -> list[dict]:
-    """PER_CATEGORY distinct prompts per category, interleaved; every HELDOUT_EVERY-th is held out.
-
-    >>> prompts = build_prompts()
-    >>> len(prompts), sorted({p["category"] for p in prompts})[:2], prompts[0]["split"]
-    (360, ['chat', 'code'], 'heldout')
-    """
-    rng = random.Random(seed)
-    by_category = {}
+def _round(rng: random.Random, earlier: dict[str, set[str]]) -> dict[str, list[str]]:
+    """PER_CATEGORY new distinct prompts per category, none seen in an earlier round."""
+    drawn = {}
     for category, templates in TEMPLATES.items():
         seen: set[str] = set()
         while len(seen) < PER_CATEGORY:
-            seen.add(_fill(rng.choice(templates), rng))
+            text = _fill(rng.choice(templates), rng)
+            if text not in earlier.get(category, set()):
+                seen.add(text)
         chosen = sorted(seen)
         rng.shuffle(chosen)
-        by_category[category] = chosen
+        drawn[category] = chosen
+    return drawn
+
+
+def build_prompts(seed: int = 0) -> list[dict]:
+    """ROUNDS x PER_CATEGORY distinct prompts per category, categories interleaved; every
+    HELDOUT_EVERY-th is held out. A later round only appends (ids and splits of earlier prompts
+    never change, so cached answers stay valid when the set grows).
+
+    >>> prompts = build_prompts()
+    >>> len(prompts), sorted({p["category"] for p in prompts})[:2], prompts[0]["split"]
+    (720, ['chat', 'code'], 'heldout')
+    """
+    rng = random.Random(seed)
+    earlier: dict[str, set[str]] = {}
     prompts = []
-    for i in range(PER_CATEGORY):
-        for category in TEMPLATES:
-            n = len(prompts)
-            split = "heldout" if n % (HELDOUT_EVERY * len(TEMPLATES)) < len(TEMPLATES) else "train"
-            prompts.append({"id": n, "category": category, "split": split, "prompt": by_category[category][i]})
+    for _ in range(ROUNDS):
+        drawn = _round(rng, earlier)
+        for i in range(PER_CATEGORY):
+            for category in TEMPLATES:
+                n = len(prompts)
+                split = "heldout" if n % (HELDOUT_EVERY * len(TEMPLATES)) < len(TEMPLATES) else "train"
+                prompts.append({"id": n, "category": category, "split": split, "prompt": drawn[category][i]})
+        for category, texts in drawn.items():
+            earlier.setdefault(category, set()).update(texts)
     return prompts
 
 
