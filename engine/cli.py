@@ -12,7 +12,7 @@ import os
 import sys
 from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig
-from engine.drafters import DrafterSpec, drafter_names
+from engine.drafters import DrafterSpec, drafter_names, vocab
 from engine.errors import InputError
 from engine.run import RunRequest, report, run
 from engine.sampling import SamplingConfig
@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--exit-layer", type=int, default=0, help="early-exit layers (0 = a quarter)")
     p.add_argument("--tree", default=None, help="mtp tree shape (default: chain)")
+    p.add_argument("--draft-vocab", choices=vocab.CHOICES, default=vocab.TRAINED,
+                   help="trained draft model / MTP heads: score only their shipped drafting vocabulary "
+                        "(trained, default) or every token (full); the output is the same")
     p.add_argument(
         "--accept", choices=[r.value for r in AcceptRule], default=AcceptRule.EXACT.value,
         help="acceptance rule: exact (default) or typical (LOSSY, for teaching)",
@@ -54,7 +57,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def drafter_from_args(args: argparse.Namespace) -> DrafterSpec:
     return DrafterSpec(
         method=args.method, draft=args.draft, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-        exit_layer=args.exit_layer, tree=args.tree,
+        exit_layer=args.exit_layer, tree=args.tree, draft_vocab=args.draft_vocab,
     )
 
 

@@ -15,7 +15,9 @@ from transformers import DynamicCache
 from engine.acceptance import AcceptRule, TokenKind
 from engine.decoding import DecodeConfig, generate, rollback, verify
 from engine.drafters import DraftProposal, DrafterSpec, build_drafter
+from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.mtp import MTPHeadsDrafter
+from engine.drafters.vocab import DraftVocabulary, load_vocabulary
 from engine.errors import InputError
 from engine.models import load_model, presets
 from engine.mtp.heads import MTPHeads
@@ -191,12 +193,15 @@ def test_tree_with_sampling_drafts_a_chain_and_stays_exact(target):
         list(generate(target, PROMPT, typical, MTPHeadsDrafter(target, random_heads(), tree_shape("small"))))
 
 
-def test_mtp_chain_sampling_has_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("vocabulary", [None, "half"])
+def test_mtp_chain_sampling_has_the_target_distribution(tmp_path, vocabulary):
     """Heads draft from one hidden state, ignoring each other's drafts; with their
-    distributions as draft_probs the standard rule still samples exactly from the target."""
+    distributions as draft_probs the standard rule still samples exactly from the target, also
+    when they score only part of the vocabulary (draft probabilities 0 elsewhere)."""
     target = load_model(str(tiny_llama(tmp_path / "t", seed=10, layers=2, scale=2.0)))
     p2, p3 = stats.exact_marginals(target, 1.0)
-    drafter = MTPHeadsDrafter(target, random_heads(seed=4, scale=0.3))
+    subset = torch.arange(0, target.vocab_size, 2) if vocabulary else None
+    drafter = MTPHeadsDrafter(target, random_heads(seed=4, scale=0.3), vocabulary=subset)
     counts2, counts3 = torch.zeros(64), torch.zeros(64)
     accepted = 0
     for seed in range(2000):
@@ -209,6 +214,39 @@ def test_mtp_chain_sampling_has_the_target_distribution(tmp_path):
     assert accepted > 100  # the heads' drafts are often kept: the test exercises acceptance
     assert stats.chi_square_pvalue(counts2, p2) > stats.ALPHA
     assert stats.chi_square_pvalue(counts3, p3) > stats.ALPHA
+
+
+# --- drafting vocabulary (engine/drafters/vocab.py) -----------------------------------------
+
+def test_drafting_vocabulary_scores_only_its_tokens(target):
+    lm_head = target.model.get_output_embeddings()
+    ids = torch.tensor([40, 3, 17, 3, 63])  # unsorted, repeated: kept once each, sorted
+    vocab = DraftVocabulary(ids, lm_head, target.vocab_size)
+    hidden = torch.randn(2, lm_head.weight.shape[1])
+    logits = vocab.logits(hidden)
+    full = lm_head(hidden).float()
+    assert len(vocab) == 4 and logits.shape == full.shape
+    assert torch.allclose(logits[:, [3, 17, 40, 63]], full[:, [3, 17, 40, 63]], atol=1e-5)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[[3, 17, 40, 63]] = False
+    assert torch.isneginf(logits[:, outside]).all()
+    with pytest.raises(InputError, match="token ids"):
+        DraftVocabulary(torch.tensor([target.vocab_size]), lm_head, target.vocab_size)
+
+
+@pytest.mark.parametrize("tree", [None, "small"])
+def test_a_drafting_vocabulary_changes_drafts_never_the_output(target, tiny_draft, tree):
+    """Drafters scoring half the vocabulary only propose those tokens; the output is still
+    exactly plain greedy decoding (the target verifies over its whole vocabulary)."""
+    half = torch.arange(0, target.vocab_size, 2)
+    drafters = [MTPHeadsDrafter(target, random_heads(), tree_shape(tree) if tree else None, vocabulary=half)]
+    if tree is None:
+        drafters.append(DraftModelDrafter(target, load_model(tiny_draft), vocabulary=half))
+    for drafter in drafters:
+        events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=3, ignore_eos=True), drafter))
+        assert tokens_of(events) == baseline(target)
+        drafted = [t for s in steps_of(events) for t in s.draft_token_ids]
+        assert drafted and all(t % 2 == 0 for t in drafted)
 
 
 def test_trace_with_a_tree_round_trips(target):
@@ -323,6 +361,12 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
                  DrafterSpec("draft-model", draft=f"distilled:{tmp_path / 'draft'}")):
         drafter = build_drafter(target, spec)
         assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
+    for folder, card in ((tmp_path / "heads", heads_card), (tmp_path / "draft", draft_card)):
+        ids = load_vocabulary(folder)
+        assert card["draft_vocabulary"]["tokens"] == len(ids) and 0 <= card["draft_vocabulary"]["heldout_coverage"] <= 1
+        assert (ids.diff() > 0).all() and int(ids[-1]) < target.vocab_size
+    full = build_drafter(target, DrafterSpec("mtp", draft=str(tmp_path / "heads"), draft_vocab="full"))
+    assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), full)) == plain
     draft = load_model(f"distilled:{tmp_path / 'draft'}")
     assert draft.model.model.embed_tokens is target.model.model.embed_tokens  # shared, not copied
     assert draft.model.config.num_hidden_layers == 2
@@ -345,12 +389,16 @@ def test_shipped_weights_match_their_cards(name, kind):
         assert weights["norm.weight"].shape == (hidden,)
         assert card["heldout"]["top1"] > card["heldout_untrained"]["top1"]
     assert card["data"]["train_sequences"] > 250 and card["training"]["steps"] > 0
+    vocab = load_vocabulary(folder)  # the drafting vocabulary scored at run time
+    assert card["draft_vocabulary"]["tokens"] == len(vocab) and (vocab.diff() > 0).all()
+    assert int(vocab[-1]) < card["vocab_size"] and card["draft_vocabulary"]["heldout_coverage"] > 0.9
     assert find_weights(kind, card["target"]) == folder
     assert sum(f.stat().st_size for f in WEIGHTS_DIR.glob("*/*")) < 60 * 2**20
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("spec", [DrafterSpec("mtp"), DrafterSpec("mtp", tree="medium"), DrafterSpec("draft-model")])
+@pytest.mark.parametrize("spec", [DrafterSpec("mtp"), DrafterSpec("mtp", tree="medium"), DrafterSpec("draft-model"),
+                                  DrafterSpec("draft-model", draft_vocab="full")])
 def test_shipped_drafters_are_exact_on_the_embedded_model(embedded, spec):
     ids = embedded.encode("Explain in two sentences why the sky is blue.")
     plain = tokens_of(generate(embedded, ids, DecodeConfig(max_new_tokens=24)))

@@ -69,6 +69,9 @@ class DrafterSpec:
     ngram_min: int = 1  # prompt-lookup: shortest n-gram matched
     exit_layer: int = 0  # early-exit: layers used (0: a quarter of the target's layers)
     tree: str | None = None  # mtp: tree shape name (None: chain drafting)
+    # draft-model (distilled) and mtp heads: "trained" scores only the drafting vocabulary shipped
+    # with the weights (engine/drafters/vocab.py), "full" every token
+    draft_vocab: str = "trained"
 
 
 DrafterFactory = Callable[[LoadedModel, DrafterSpec], Drafter]

@@ -10,14 +10,16 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from engine.drafters.vocab import DraftVocabulary
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 
 
 class CachedLM:
-    def __init__(self, model: torch.nn.Module, device: str, vocab: int):
+    def __init__(self, model: torch.nn.Module, device: str, vocab: int, vocabulary: DraftVocabulary | None = None):
         self.model = model
         self.device = device
         self.vocab = vocab  # the target's vocabulary size; draft logits are padded/cut to it
+        self.vocabulary = vocabulary  # score only these tokens (None: the model's whole LM head)
         self.cache = DynamicCache()
         self.cached_ids: list[int] = []
 
@@ -38,6 +40,10 @@ class CachedLM:
         """Logits (V,) for the token after seq, reusing the cache."""
         todo = self.sync(seq)
         ids = torch.tensor([todo], device=self.device)
+        if self.vocabulary is not None:  # the decoder only, then the subset of the LM head
+            out = self.model.model(input_ids=ids, cache=self.cache, use_cache=True)
+            self.cached_ids.extend(todo)
+            return self.vocabulary.logits(out.last_hidden_state[0, -1])
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         self.cached_ids.extend(todo)
         logits = out.logits[0, -1].float()

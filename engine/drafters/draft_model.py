@@ -6,8 +6,10 @@ import torch
 
 from engine.drafters.base import DraftProposal, DrafterSpec, register
 from engine.drafters.cached_lm import CachedLM
+from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_vocabulary
 from engine.errors import InputError
-from engine.models import LoadedModel, load_model, resolve_draft
+from engine.models import DISTILLED_PREFIX, LoadedModel, load_model, resolve_draft
+from engine.mtp.weights import resolve_weights
 from engine.sampling import SamplingConfig
 
 
@@ -23,10 +25,12 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 class DraftModelDrafter:
     name = "draft-model"
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel):
+    def __init__(self, target: LoadedModel, draft: LoadedModel, vocabulary: torch.Tensor | None = None):
         check_same_vocabulary(target, draft)
         self.draft_model = draft
-        self.lm = CachedLM(draft.model, draft.device, target.vocab_size)
+        scorer = None if vocabulary is None else DraftVocabulary(
+            vocabulary, draft.model.get_output_embeddings(), target.vocab_size)
+        self.lm = CachedLM(draft.model, draft.device, target.vocab_size, scorer)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
         ids, probs = self.lm.draft(context, k, sampling, rng)
@@ -39,5 +43,9 @@ class DraftModelDrafter:
 @register("draft-model")
 def _build(target: LoadedModel, spec: DrafterSpec) -> DraftModelDrafter:
     dtype = str(target.dtype).removeprefix("torch.")
-    draft = load_model(resolve_draft(target.spec, spec.draft), device=target.device, dtype=dtype)
-    return DraftModelDrafter(target, draft)
+    name = resolve_draft(target.spec, spec.draft)
+    draft = load_model(name, device=target.device, dtype=dtype)
+    vocabulary = None
+    if check_choice(spec.draft_vocab) == TRAINED and name.startswith(DISTILLED_PREFIX):
+        vocabulary = load_vocabulary(resolve_weights(name[len(DISTILLED_PREFIX):]))
+    return DraftModelDrafter(target, draft, vocabulary)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.drafters.base import DraftProposal, DrafterSpec, register
+from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_vocabulary
 from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads, load_heads
@@ -31,12 +32,17 @@ from engine.sampling import SamplingConfig, choose, probs_from_logits
 class MTPHeadsDrafter:
     name = "mtp"
 
-    def __init__(self, target: LoadedModel, heads: MTPHeads, tree: TreeShape | None = None):
+    def __init__(self, target: LoadedModel, heads: MTPHeads, tree: TreeShape | None = None,
+                 vocabulary: torch.Tensor | None = None):
         n = len(heads.blocks)
         if tree is not None and tree.depth > n:
             raise InputError(f"tree {tree.name!r} is {tree.depth} deep but there are only {n} MTP heads")
         self.heads = heads
-        self.lm_head = target.model.get_output_embeddings()
+        lm_head = target.model.get_output_embeddings()
+        if vocabulary is None:
+            self.score = lambda h: lm_head(h).float()
+        else:
+            self.score = DraftVocabulary(vocabulary, lm_head, target.vocab_size).logits
         self.tree = tree
         self.hidden: torch.Tensor | None = None  # (H,) the last position's final hidden state
 
@@ -45,7 +51,7 @@ class MTPHeadsDrafter:
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
-        logits = self.lm_head(self.heads(self.hidden)).float()  # (heads, V)
+        logits = self.score(self.heads(self.hidden))  # (heads, V)
         probs = probs_from_logits(logits, sampling)  # (heads, V)
         if self.tree is None or not sampling.greedy:
             n = min(k, logits.shape[0])
@@ -86,4 +92,5 @@ def _build(target: LoadedModel, spec: DrafterSpec):
             f"(train heads: python -m engine.train mtp-heads --model {target.spec})"
         )
     heads, _ = load_heads(Path(folder), target)
-    return MTPHeadsDrafter(target, heads, tree_shape(spec.tree) if spec.tree else None)
+    vocabulary = load_vocabulary(Path(folder)) if check_choice(spec.draft_vocab) == TRAINED else None
+    return MTPHeadsDrafter(target, heads, tree_shape(spec.tree) if spec.tree else None, vocabulary)

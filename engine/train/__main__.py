@@ -1,4 +1,4 @@
-"""python -m engine.train {prompts, data, mtp-heads, draft-model} [options]
+"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary} [options]
 
 Both trainers first self-distil (the target answers the shipped prompt set; cached under
 $SPECLAB_CACHE/train, so reruns skip it), then train, then write weights + card.json to --out.
@@ -20,6 +20,7 @@ import torch
 from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR
+from engine.train.common import write_vocabulary
 from engine.train.data import DataConfig, build_dataset
 from engine.train.draft import DraftConfig, train_draft
 from engine.train.heads import HeadsConfig, train_heads
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--steps", type=int, default=DraftConfig.steps)
     draft.add_argument("--batch", type=int, default=DraftConfig.batch, help="answers per step")
     draft.add_argument("--lr", type=float, default=DraftConfig.lr)
+    vocab = sub.add_parser("vocabulary", help="(re)write the drafting vocabulary beside trained weights in --out")
+    _data_args(vocab, "mtp-heads")
     return parser
 
 
@@ -75,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "data":
             print(f"{data.info['prompts']} answers, {data.tokens('train')} train and {data.tokens('heldout')} "
                   f"held-out positions")
+            return 0
+        if args.command == "vocabulary":
+            entry = write_vocabulary(Path(args.out), data, target.vocab_size)
+            print(f"wrote {Path(args.out) / entry['file']}: {entry['tokens']} tokens, held-out coverage {entry['heldout_coverage']}")
             return 0
         if args.command == "mtp-heads":
             cfg = HeadsConfig(heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)

@@ -3,14 +3,18 @@ the card's common fields."""
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import random
+from pathlib import Path
 
 import torch
 import transformers
 
+from engine.drafters.vocab import VOCAB_FILE, save_vocabulary
 from engine.models import LoadedModel
+from engine.mtp.weights import CARD_FILE
 from engine.train.data import Dataset, Example
 
 
@@ -38,6 +42,35 @@ def train_vocabulary(examples: list[Example], top: int = 4) -> torch.Tensor:
     x the full vocabulary costs too much on a small CPU); they are evaluated over the full one."""
     ids = torch.cat([torch.cat([e.ids.long(), e.top_ids[:, :top].long().flatten()]) for e in examples])
     return torch.unique(ids)
+
+
+FIRST_IDS = 8192  # the tokenizer's first ids join every drafting vocabulary (BPE merge order ~ frequency)
+
+
+def drafting_vocabulary(examples: list[Example], first_ids: int = FIRST_IDS) -> torch.Tensor:
+    """The tokens a trained drafter scores at run time (engine/drafters/vocab.py): the training
+    vocabulary plus the tokenizer's first `first_ids` ids, sorted."""
+    return torch.unique(torch.cat([train_vocabulary(examples), torch.arange(first_ids)]))
+
+
+def write_vocabulary(folder: Path, data: Dataset, vocab_size: int) -> dict:
+    """Save the drafting vocabulary beside trained weights and record it in their card: its size
+    and how many held-out target tokens it holds (a drafter can never propose the others)."""
+    ids = drafting_vocabulary(data.split("train"))
+    ids = ids[ids < vocab_size]
+    held = torch.cat([e.ids[e.prompt_len:].long() for e in data.split("heldout")] or [torch.zeros(0, dtype=torch.long)])
+    inside = torch.isin(held, ids)
+    entry = {
+        "file": VOCAB_FILE, "tokens": int(ids.numel()), "first_ids": FIRST_IDS,
+        "made_of": "the training data's tokens and the target's top-4 at every position, plus the first ids",
+        "heldout_coverage": round(float(inside.float().mean()), 4) if held.numel() else None,
+    }
+    save_vocabulary(folder, ids)
+    card_path = Path(folder) / CARD_FILE
+    card = json.loads(card_path.read_text())
+    card["draft_vocabulary"] = entry
+    card_path.write_text(json.dumps(card, indent=2) + "\n")
+    return entry
 
 
 def card_base(kind: str, target: LoadedModel, data: Dataset, command: str) -> dict:

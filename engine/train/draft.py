@@ -18,7 +18,7 @@ from tqdm import tqdm
 from engine.models import LoadedModel
 from engine.mtp.distilled import KIND, build_draft, trained_modules
 from engine.mtp.weights import save_weights
-from engine.train.common import card_base, cosine_lr, seed_everything
+from engine.train.common import card_base, cosine_lr, seed_everything, write_vocabulary
 from engine.train.data import Dataset, Example
 
 
@@ -100,4 +100,5 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
         "heldout_untrained": before,
     })
     save_weights(out, trained.state_dict(), card)
+    card["draft_vocabulary"] = write_vocabulary(out, data, target.vocab_size)
     return card

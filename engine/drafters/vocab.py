@@ -1,0 +1,73 @@
+"""A drafting vocabulary: the drafter's LM head scores only a subset of the target's tokens.
+
+On a small model the LM head is a large share of a draft's cost (SmolLM2-135M: 49,152 x 576
+weights, a fifth of the whole target), and most of its rows are tokens a drafter almost never
+gets right. Scoring only the tokens that actually occur (FR-Spec, Zhao et al. 2025, ranks them
+by frequency) makes every drafted token cheaper. It changes what the drafter can propose, never
+what is emitted: the target verifies over its full vocabulary, a draft's probabilities are zero
+outside the subset, and the standard acceptance rule is exact for any draft distribution.
+
+The subset ships beside trained weights (engine/weights/<name>/draft_vocabulary.safetensors):
+every token the self-distilled training data mentions (its sequences and the target's top-4 at
+each position, engine.train.common.train_vocabulary) plus the tokenizer's first ids (BPE merge
+order: the most frequent pieces).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.errors import InputError
+
+VOCAB_FILE = "draft_vocabulary.safetensors"
+FULL, TRAINED = "full", "trained"  # DrafterSpec.draft_vocab: every token, or the shipped subset
+CHOICES = (TRAINED, FULL)
+
+
+class DraftVocabulary:
+    """Scores hidden states against the LM head rows of `ids` only; logits come back over the
+    full vocabulary with -inf outside the subset (so probabilities there are exactly 0)."""
+
+    def __init__(self, ids: torch.Tensor, lm_head: torch.nn.Module, vocab_size: int):
+        ids = torch.unique(ids.long())
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+            raise InputError(f"a drafting vocabulary must hold token ids in 0..{vocab_size - 1}")
+        weight = lm_head.weight
+        self.ids = ids.to(weight.device)
+        self.weight = weight.detach()[self.ids].contiguous()  # (S, H): a copy, read every draft
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias.detach()[self.ids]
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> float32 logits (..., V), -inf outside the subset."""
+        sub = torch.nn.functional.linear(hidden, self.weight, self.bias).float()  # (..., S)
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, sub)
+
+
+def save_vocabulary(folder: Path, ids: torch.Tensor) -> None:
+    save_file({"ids": torch.unique(ids.long()).to(torch.int32).contiguous()}, Path(folder) / VOCAB_FILE)
+
+
+def load_vocabulary(folder: Path) -> torch.Tensor | None:
+    """The subset shipped in a weights folder (None when it has none: score every token)."""
+    path = Path(folder) / VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        return load_file(path)["ids"].long()
+    except Exception as err:  # safetensors raises its own error types for a damaged file
+        raise InputError(f"unreadable drafting vocabulary {path} ({err.__class__.__name__})") from None
+
+
+def check_choice(choice: str) -> str:
+    if choice not in CHOICES:
+        raise InputError(f"draft vocabulary must be one of {', '.join(CHOICES)} (got {choice!r})")
+    return choice
