@@ -137,7 +137,9 @@ def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_ste
     itl = itl_per_token_s(steps)
     decode_s = wall - ttft_s(steps) if steps else 0.0
     rate = draft_acceptance_rate(steps)
-    alpha = per_token_acceptance(steps)
+    # Leviathan's alpha and formula describe chains; a tree's k counts nodes, not a draft length
+    tree = any(s.draft_parents for s in verify_steps(steps))
+    alpha = None if tree else per_token_acceptance(steps)
     c = cost_ratio(steps, baseline_step_s)
     k_values = [s.k for s in verify_steps(steps) if s.k > 0]
     mean_k = statistics.mean(k_values) if k_values else 0

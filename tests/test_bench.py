@@ -63,7 +63,7 @@ def bench(tiny_target, tiny_draft, sets, tmp_path_factory):
     """One greedy benchmark of every engine method and transformers' counterparts."""
     out = tmp_path_factory.mktemp("bench-out")  # read via --out: a module fixture cannot take capsys
     code = main(["bench", "--model", tiny_target, "--draft", tiny_draft,
-                 "--methods", "prompt-lookup,draft-model,early-exit", "--prompts", str(sets / "tiny.yaml"),
+                 "--methods", "prompt-lookup,draft-model,early-exit,draft-model:vocab=full", "--prompts", str(sets / "tiny.yaml"),
                  "--k", "3", "--repeats", "2", "--max-new-tokens", "8", "--vs-transformers", "--out", str(out)])
     assert code == 0
     return json.loads((out / "bench.json").read_text()), out
@@ -75,7 +75,8 @@ def test_bench_json_contract(bench):
         assert key in report, key
     assert report["evidence_class"] == "controlled benchmark" and report["concurrency"] == 1
     assert report["prompt_tokens"] == {"tiny/repeat": 10, "tiny/mixed": 8}
-    assert [r["method"] for r in report["results"]] == ["baseline", "prompt-lookup", "draft-model", "early-exit"]
+    assert [r["method"] for r in report["results"]] == ["baseline", "prompt-lookup", "draft-model", "early-exit",
+                                                        "draft-model:vocab=full"]  # a variant: its own row
     base = report["results"][0]
     assert base["speedup"] == 1.0 and base["predicted_speedup"] is None and base["per_position_acceptance"] == []
     for row in report["results"][1:]:
@@ -107,13 +108,13 @@ def test_greedy_outputs_are_flagged_identical(bench):
 def test_repeats_are_interleaved(bench):
     report, _ = bench
     runs = report["runs"]
-    assert len(runs) == 8 * 2 * 2  # 4 engine methods + 4 transformers variants, 2 prompts, 2 repeats
+    assert len(runs) == 9 * 2 * 2  # 5 engine methods (a variant too) + 4 transformers variants, 2 prompts, 2 repeats
     rounds = {}
     for r in runs:
         rounds.setdefault((r["repeat"], r["prompt"]), []).append(r)
     firsts = set()
     for members in rounds.values():
-        assert sorted(r["order"] for r in members) == list(range(8))
+        assert sorted(r["order"] for r in members) == list(range(9))
         firsts.add(next(r["method"] for r in members if r["order"] == 0))
     assert len(firsts) == len(rounds)  # a different entrant starts each round
 
@@ -139,6 +140,8 @@ def test_sampling_bench_has_no_identical_flags(tiny_target, sets, capsys):
     (["--methods", "teleport"], "method 'teleport' is not available"),
     (["--methods", "draft-model"], "method draft-model: no draft model given"),
     (["--methods", "prompt-lookup,prompt-lookup"], "named twice"),
+    (["--methods", "prompt-lookup:tree=small"], "unknown variant 'tree=small'"),
+    (["--methods", "mtp:vocab=some"], "draft vocabulary must be one of"),
     (["--repeats", "0"], "repeats must be in"),
     (["--prompts", "no-such-set"], "unknown prompt set"),
     (["--k", "0"], "draft length"),

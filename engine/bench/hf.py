@@ -38,7 +38,7 @@ HF_METHODS = (
 
 def hf_methods_for(methods: tuple[str, ...]) -> tuple[HFMethod, ...]:
     """The transformers counterparts of the engine methods being benchmarked."""
-    return tuple(m for m in HF_METHODS if m.engine_method in methods)
+    return tuple(m for m in HF_METHODS if m.engine_method in methods)  # variants ("mtp:tree=...") have none
 
 
 def exit_layers(target: LoadedModel, options: DrafterOptions) -> int:

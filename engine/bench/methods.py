@@ -1,15 +1,20 @@
 """Which methods a benchmark or gate runs, and the drafter options each one reads.
 
-A method is "baseline" (plain decoding) or a registered drafter's name. Methods are checked
-before any timing starts: an unregistered drafter or an unavailable draft model is one clear
-line naming the method, never a failure halfway through a run.
+A method is "baseline" (plain decoding) or a registered drafter's name, optionally with one
+variant setting after a colon, so variants of a drafter run side by side in one run:
+"mtp:tree=small" (MTP tree drafting with that shape; plain "mtp" follows --tree) and
+"draft-model:vocab=full" / "mtp:vocab=full" (score every token instead of the shipped drafting
+vocabulary). Methods are checked before any timing starts: an unregistered drafter, an unknown
+variant or an unavailable draft model is one clear line naming the method, never a failure
+halfway through a run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.drafters import DrafterSpec, build_drafter, drafter_names
+from engine.drafters.vocab import check_choice
 from engine.errors import InputError
 from engine.models import LoadedModel
 
@@ -28,9 +33,39 @@ class DrafterOptions:
     tree: str | None = None  # mtp: tree shape (None: chain)
 
     def spec(self, method: str) -> DrafterSpec:
-        draft = {"draft-model": self.draft, "mtp": self.mtp_heads}.get(method)
-        return DrafterSpec(method=method, draft=draft, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
+        name, variant = split_method(method)
+        draft = {"draft-model": self.draft, "mtp": self.mtp_heads}.get(name)
+        spec = DrafterSpec(method=name, draft=draft, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
                            exit_layer=self.exit_layer, tree=self.tree)
+        return replace(spec, **variant)
+
+
+VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp")}  # setting -> the drafters that read it
+
+
+def split_method(method: str) -> tuple[str, dict[str, str | None]]:
+    """A method's drafter name and its variant as DrafterSpec fields.
+
+    >>> split_method("mtp:tree=small"), split_method("mtp:tree=chain"), split_method("prompt-lookup")
+    (('mtp', {'tree': 'small'}), ('mtp', {'tree': None}), ('prompt-lookup', {}))
+    >>> split_method("draft-model:vocab=full")
+    ('draft-model', {'draft_vocab': 'full'})
+    """
+    name, _, variant = method.partition(":")
+    if not variant:
+        return name, {}
+    key, _, value = variant.partition("=")
+    if key not in VARIANTS or not value or name not in VARIANTS[key]:
+        settings = "; ".join(f"{k}= for {', '.join(v)}" for k, v in VARIANTS.items())
+        raise InputError(f"method {method!r}: unknown variant {variant!r} (variants: {settings})")
+    if key == "tree":
+        return name, {"tree": None if value == "chain" else value}
+    return name, {"draft_vocab": check_choice(value)}
+
+
+def base_name(method: str) -> str:
+    """The drafter a method runs ("mtp" for "mtp:tree=small")."""
+    return method.partition(":")[0]
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -47,11 +82,12 @@ def parse_methods(text: str) -> tuple[str, ...]:
         raise InputError(f"a method is named twice in {text!r}")
     for name in names:
         check_registered(name)
+        split_method(name)
     return (BASELINE, *[m for m in names if m != BASELINE])
 
 
 def check_registered(method: str) -> None:
-    if method != BASELINE and method not in drafter_names():
+    if base_name(method) != BASELINE and base_name(method) not in drafter_names():
         raise InputError(
             f"method {method!r} is not available: no drafter is registered under that name "
             f"(available: {BASELINE}, {', '.join(drafter_names())})"
