@@ -20,6 +20,7 @@ from engine.session import RunSession
 from engine.mtp.tree import tree_shapes
 from engine.trace import Step, trace_from_json, trace_to_json
 from ui.common import as_float, as_int, default_preset, preset_choices, temp_file, user_errors
+from ui.gpu import RecordedRun, decode_whole, zero_gpu
 from visualizations import (
     accepted_histogram,
     mtp_tree_figure,
@@ -244,16 +245,23 @@ def charts(state: PlaygroundState | None):
             trace_timeline(steps, prefill))
 
 
+def start_runs(requests: list[RunRequest]) -> list[RunSession]:
+    """Runs to step through in turn: live (the model runs as they are stepped), or on ZeroGPU
+    decoded whole in one GPU call and stepped through from their records (ui/gpu.py)."""
+    if zero_gpu():
+        return [RecordedRun(trace, request) for trace, request in zip(decode_whole(tuple(requests)), requests)]
+    load_model(requests[0].model)
+    return [RunSession.live(request) for request in requests]
+
+
 def _session_for(state: PlaygroundState | None, settings: tuple) -> PlaygroundState:
     """Continue the session if its settings are unchanged and it is not finished; else start anew."""
     state = state or PlaygroundState()
     session = state.session
     if session is None or session.finished or (not session.replay and state.settings != settings):
-        request = build_request(*settings)
-        load_model(request.model)
+        [run] = start_runs([build_request(*settings)])
         state.close()
-        state.session = RunSession.live(request)
-        state.settings = settings
+        state.session, state.settings = run, settings
     return state
 
 
@@ -297,11 +305,10 @@ def compare(state, prompt, preset, method, k, adaptive, temperature, top_k, top_
     if method == "baseline":
         raise InputError("choose a drafter as the method: it is compared with the baseline")
     speculative = build_request(*settings)
-    load_model(speculative.model)
+    runs = start_runs([replace(speculative, drafter=DrafterSpec("baseline")), speculative])
     state = state or PlaygroundState()
     state.close()
-    state.compare = Comparison(RunSession.live(replace(speculative, drafter=DrafterSpec("baseline"))),
-                               RunSession.live(speculative))
+    state.compare = Comparison(*runs)
     state.session, state.settings = None, None
     unchanged = [gr.skip()] * 6  # the current-run views wait until the speculative run is done
     for run in state.compare.sessions():  # one after the other, so each one's timing is its own

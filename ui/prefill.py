@@ -3,7 +3,9 @@ engine step; watch the timeline fill, then compare TTFT and ITL of two settings.
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import gradio as gr
@@ -23,6 +25,7 @@ from engine.serving import (
     summary,
 )
 from ui.common import as_int, default_preset, preset_choices, user_errors
+from ui.gpu import paced, serve_whole, zero_gpu
 from visualizations import itl_distribution_chart, itl_over_time_chart, serving_timeline, ttft_chart
 
 CHUNK_RANGE = (16, 2048)  # smaller chunks make a long prompt take hundreds of steps
@@ -34,20 +37,34 @@ SUMMARY_COLUMNS = ["setting", "token budget", "steps", "short ITL p50 (ms)", "sh
 
 
 class ServeRun:
-    """One serving run on a background thread. The serving loop runs on a real clock, so the
-    UI must never hold it up between two steps: it only reads the records collected so far."""
+    """One serving run's records, collected on a background thread: live from the model, or
+    replayed at their recorded pace from a run done whole in one GPU call (ZeroGPU). The serving
+    loop runs on a real clock, so the UI must never hold it up between two steps: it only reads
+    the records collected so far."""
 
-    def __init__(self, target: LoadedModel, workload: Workload, cfg: ServeConfig):
-        self.target, self.workload, self.cfg = target, workload, cfg
+    def __init__(self, workload: Workload, cfg: ServeConfig, records: Iterator[ServeStep | RequestRecord],
+                 model: str, device: str, dtype: str):
+        self.workload, self.cfg = workload, cfg
+        self.model, self.device, self.dtype = model, device, dtype
         self.steps: list[ServeStep] = []
         self.finished: dict[str, RequestRecord] = {}
         self.error: Exception | None = None
+        self._records = records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="speclab-serve")
         self._thread.start()
 
+    @classmethod
+    def live(cls, target: LoadedModel, workload: Workload, cfg: ServeConfig) -> ServeRun:
+        return cls(workload, cfg, serve(target, workload, cfg), target.name, target.device,
+                   str(target.dtype).removeprefix("torch."))
+
+    @classmethod
+    def replay(cls, result: ServeResult) -> ServeRun:
+        return cls(result.workload, result.config, paced(result), result.model, result.device, result.dtype)
+
     def _run(self) -> None:
-        records = serve(self.target, self.workload, self.cfg)
+        records = self._records
         try:
             for record in records:
                 if self._stop.is_set():
@@ -84,9 +101,9 @@ class ServeRun:
         """The records of a completed run, as engine.serving.run_serve collects them."""
         requests = tuple(self.finished[r.request_id] for r in self.workload.requests)
         return ServeResult(
-            model=self.target.name, device=self.target.device, dtype=str(self.target.dtype).removeprefix("torch."),
-            workload=self.workload, config=self.cfg, token_budget=self.cfg.budget([r.prompt_tokens for r in requests]),
-            steps=tuple(self.steps), requests=requests,
+            model=self.model, device=self.device, dtype=self.dtype, workload=self.workload, config=self.cfg,
+            token_budget=self.cfg.budget([r.prompt_tokens for r in requests]), steps=tuple(self.steps),
+            requests=requests,
         )
 
 
@@ -182,6 +199,15 @@ def final_views(results: dict[str, ServeResult]):
     return table, ttft_chart(runs), itl_over_time_chart(runs), itl_distribution_chart(runs)
 
 
+def serve_runs(preset: str, workload: Workload, configs: list[ServeConfig]) -> list[Callable[[], ServeRun]]:
+    """How each config's run starts, in turn: live on the model, or on ZeroGPU all of them served
+    now in one GPU call, each then replayed at its recorded pace (ui/gpu.py)."""
+    if zero_gpu():
+        return [functools.partial(ServeRun.replay, result) for result in serve_whole(preset, workload, tuple(configs))]
+    target = load_model(preset)
+    return [functools.partial(ServeRun.live, target, workload, cfg) for cfg in configs]
+
+
 def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[str, object, object]]):
     """Run each (side, policy, chunk size) in turn on the same scenario, streaming its timeline."""
     if preset not in preset_choices():
@@ -191,17 +217,17 @@ def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[
     configs = [(setting_label(side, cfg), cfg)
                for side, cfg in ((side, serve_config(p, c, max_new_tokens)) for side, p, c in settings)]
     workload = load_workload(scenario)
-    target = load_model(preset)
+    starts = serve_runs(preset, workload, [cfg for _, cfg in configs])
     state = state or PrefillState()
     job = state.start()
     timelines = [None, None]  # settings A and B side by side
     results: dict[str, ServeResult] = {}
     waiting = [gr.skip()] * 4  # summary and latency charts come when the runs are done
     try:
-        for side, (label, cfg) in enumerate(configs):
+        for side, ((label, _), start) in enumerate(zip(configs, starts)):
             if job.stopped:
                 break
-            run = job.running = ServeRun(target, workload, cfg)
+            run = job.running = start()
             drawn = None
             while not run.wait(REFRESH_S):
                 progress = (len(run.steps), len(run.finished))
