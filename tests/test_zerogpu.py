@@ -245,14 +245,16 @@ def test_chunked_prefill_on_the_zerogpu_path_replays_the_timeline_and_stop_ends_
     assert [row[0] for row in table["data"]] == ["A: none (no chunking)", "B: decode-first, chunk 512"]
     assert timeline_a and timeline_b and ttft and itl_time and itl_dist
     assert len(job.outputs()) > 1  # the timeline filled step by step
-    job = client.submit(api_name="/prefill_compare", policy="decode-first", chunk_size=64, policy_b="none",
-                        chunk_size_b=64, **PREFILL)
+    # both settings are served in the GPU call; the replay of A takes as long as A took (the
+    # document arrives at 1 s), so a Stop at its first update lands inside it
+    job = client.submit(api_name="/prefill_compare", policy="decode-first", chunk_size=512, policy_b="none",
+                        chunk_size_b=512, **PREFILL)
     deadline = time.time() + 300
     while not job.outputs() and time.time() < deadline:
         time.sleep(0.1)
     client.predict(api_name="/prefill_stop")
     progress, timeline_a, timeline_b, *_ = job.result(timeout=300)
-    assert "**A: decode-first, chunk 64** (stopped)" in progress
+    assert "**A: decode-first, chunk 512** (stopped)" in progress
     assert timeline_b is None
 
 
