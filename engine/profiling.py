@@ -4,7 +4,13 @@
 with cProfile into the model forward, sampling (the shared transform and the acceptance rule),
 record keeping (top-5 alternatives, token text) and the rest (the loop's own Python).
 It then measures this machine's memory read bandwidth and compares the step with the time
-needed just to read the weights once (a decode step reads every weight: the floor).
+needed just to read the weights once (a decode step reads every weight: the floor), and two
+things that explain the distance and bound speculative decoding here:
+- the verify curve: one cached forward over T tokens (T = 1 is a plain step, T = k + 1 verifies
+  k drafts) as a multiple of T = 1. Speculation pays only where verifying k + 1 tokens costs
+  little more than one; on a small CPU it does not come free.
+- the matrix-vector kernel: the LM head's weights times one hidden state, in the model's dtype
+  and in 16-bit copies, as effective read bandwidth (what the kernel reaches of the floor's).
 Evidence class: microbenchmark.
 """
 
@@ -86,6 +92,48 @@ def profile_plain(target: LoadedModel, tokens: int, repeats: int) -> dict:
     return {part: statistics.median(r[part] for r in per_run) for part in ("step", *set(PARTS.values()))}
 
 
+VERIFY_TOKENS = (1, 2, 3, 5, 9, 17)  # T = k + 1 for k = 0, 1, 2, 4, 8, 16
+
+
+@torch.inference_mode()
+def verify_curve(target: LoadedModel, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one cached forward over T new tokens (all T positions' logits, as a
+    verification needs) after the profiling prompt, for each T in VERIFY_TOKENS."""
+    from transformers import DynamicCache
+
+    model = target.model
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([target.encode(PROMPT)], device=target.device), cache=cache, use_cache=True,
+          logits_to_keep=1)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for n in VERIFY_TOKENS:
+        ids = torch.randint(0, target.vocab_size, (1, n), generator=gen).to(target.device)
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            begin = time.perf_counter()
+            model(input_ids=ids, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - begin)
+            cache.crop(-n)
+        out[n] = statistics.median(times[1:])
+    return out
+
+
+@torch.inference_mode()
+def matvec_kernels(target: LoadedModel, repeats: int = 20) -> dict[str, dict]:
+    """The LM head's (V, H) weights times one hidden state: seconds and effective GB/s, in the
+    model's dtype and in float16 / bfloat16 copies (what a 16-bit model would read)."""
+    weight = target.model.get_output_embeddings().weight.detach()
+    out = {}
+    for dtype in dict.fromkeys([weight.dtype, torch.float16, torch.bfloat16]):
+        w = weight.to(dtype)
+        x = torch.randn(1, w.shape[1], dtype=dtype, device=w.device)
+        torch.nn.functional.linear(x, w)
+        best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
+        out[str(dtype).removeprefix("torch.")] = {"ms": best * 1000, "gb_s": w.numel() * w.element_size() / best / 1e9}
+    return out
+
+
 def report(model: str, tokens: int, repeats: int) -> dict:
     target = load_model(model)
     parts = profile_plain(target, tokens, repeats)
@@ -93,6 +141,7 @@ def report(model: str, tokens: int, repeats: int) -> dict:
     nbytes = weight_bytes(target.model)
     bandwidth = read_bandwidth()
     floor = nbytes / bandwidth
+    curve = verify_curve(target)
     return {
         "evidence": "microbenchmark",
         "model": model,
@@ -106,6 +155,9 @@ def report(model: str, tokens: int, repeats: int) -> dict:
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "floor_ms": floor * 1000,
         "step_over_floor": parts["step"] / floor,
+        "verify_forward_ms": {str(n): t * 1000 for n, t in curve.items()},
+        "verify_over_single": {str(n): t / curve[1] for n, t in curve.items()},
+        "lm_head_matvec": matvec_kernels(target),
     }
 
 
@@ -121,6 +173,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"  {part:15s} {ms[part]:8.2f} ms  ({ms[part] / ms['step']:.1%})")
     print(f"weights {result['weight_bytes'] / 1e6:.0f} MB, read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s "
           f"-> floor {result['floor_ms']:.1f} ms/step; the step is {result['step_over_floor']:.2f}x the floor")
+    curve = ", ".join(f"{n}: {r:.2f}x" for n, r in result["verify_over_single"].items())
+    print(f"one forward over T tokens / over 1 token (T = k + 1 verifies k drafts): {curve}")
+    kernels = ", ".join(f"{d} {k['ms']:.2f} ms ({k['gb_s']:.1f} GB/s)" for d, k in result["lm_head_matvec"].items())
+    print(f"LM head matrix x one hidden state: {kernels}")
     return 0
 
 

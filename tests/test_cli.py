@@ -78,3 +78,19 @@ def test_prompt_longer_than_the_context(tmp_path):
     long.write_text("word " * 9000)
     r = cli("generate", "--prompt-file", str(long), "--raw")
     assert r.returncode == 2 and "context is 8192" in r.stderr
+
+
+def test_profile_reports_parts_floor_verify_curve_and_kernels(tiny_target):
+    """`python -m engine profile --json`: the step split into parts that add up, the bandwidth
+    floor, the verify curve (T = 1 is the reference) and the LM head matvec per dtype."""
+    proc = cli("profile", "--model", tiny_target, "--tokens", "4", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    ms = out["per_step_ms"]
+    assert out["evidence"] == "microbenchmark" and ms["step"] > 0 and out["floor_ms"] > 0
+    assert abs(ms["forward"] + ms["sampling"] + ms["record keeping"] + ms["loop python"] - ms["step"]) < 1e-6
+    assert set(out["verify_over_single"]) == {"1", "2", "3", "5", "9", "17"} and out["verify_over_single"]["1"] == 1.0
+    assert set(out["lm_head_matvec"]) == {"float32", "float16", "bfloat16"}
+    assert all(k["ms"] > 0 and k["gb_s"] > 0 for k in out["lm_head_matvec"].values())
+    human = cli("profile", "--model", tiny_target, "--tokens", "4", "--repeats", "1")
+    assert "the floor" in human.stdout and "T = k + 1" in human.stdout and "LM head" in human.stdout
