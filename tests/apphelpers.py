@@ -46,3 +46,16 @@ def running_app(extra_env: dict | None = None, timeout: float = 240):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def play_then_stop(client, settings: dict, first_output_s: float = 120) -> tuple[str, int]:
+    """Start Play through the API, press Stop once the first round has streamed; the final
+    readout and how many updates streamed."""
+    client.predict(api_name="/reset")
+    job = client.submit(api_name="/play", speed_s=1.0, **dict(settings, max_new_tokens=40))
+    deadline = time.time() + first_output_s
+    while not job.outputs() and time.time() < deadline:
+        time.sleep(0.2)
+    client.predict(api_name="/stop")
+    readout = job.result(timeout=120)[1]
+    return readout, len(job.outputs())

@@ -6,7 +6,7 @@ import time
 import pytest
 from gradio_client import Client, handle_file
 
-from apphelpers import running_app
+from apphelpers import play_then_stop, running_app
 
 pytestmark = [pytest.mark.app, pytest.mark.embedded]
 
@@ -65,15 +65,9 @@ def test_bad_input_gets_a_message_and_the_app_stays_usable(client, tmp_path):
 
 
 def test_play_streams_round_by_round_and_stop_ends_it(client):
-    client.predict(api_name="/reset")
-    job = client.submit(api_name="/play", speed_s=1.0, **dict(SETTINGS, max_new_tokens=40))
-    deadline = time.time() + 120
-    while not job.outputs() and time.time() < deadline:
-        time.sleep(0.2)
-    client.predict(api_name="/stop")
-    readout = job.result(timeout=120)[1]
+    readout, updates = play_then_stop(client, SETTINGS)
     assert "finished (stopped)" in readout
-    assert len(job.outputs()) >= 2  # one update per round, then the final one
+    assert updates >= 2  # one update per round, then the final one
 
 
 def test_compare_runs_baseline_then_speculative_and_greedy_outputs_are_identical(client):

@@ -19,6 +19,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
+from apphelpers import play_then_stop, running_app
 from engine.decoding import DecodeConfig
 from engine.drafters import DrafterSpec
 from engine.models import load_model
@@ -165,8 +166,6 @@ PREFILL = dict(preset="embedded", scenario="doc-arrives", max_new_tokens=2)
 def client():
     from gradio_client import Client
 
-    from apphelpers import running_app
-
     with running_app({"SPECLAB_ZEROGPU": "1"}) as url:
         yield Client(url, verbose=False)
 
@@ -211,15 +210,9 @@ def test_stepping_on_the_zerogpu_path_gives_the_live_runs_tokens(client, live_tr
 @pytest.mark.app
 @pytest.mark.embedded
 def test_play_on_the_zerogpu_path_streams_and_stop_ends_it(client):
-    client.predict(api_name="/reset")
-    job = client.submit(api_name="/play", speed_s=1.0, **dict(SETTINGS, max_new_tokens=40))
-    deadline = time.time() + 300
-    while not job.outputs() and time.time() < deadline:
-        time.sleep(0.2)
-    client.predict(api_name="/stop")
-    readout = job.result(timeout=120)[1]
+    readout, updates = play_then_stop(client, SETTINGS, first_output_s=300)  # the first round waits for the whole run
     assert "finished (stopped)" in readout
-    assert len(job.outputs()) >= 2
+    assert updates >= 2
 
 
 @pytest.mark.app
