@@ -34,9 +34,22 @@ class RunSession:
         return session
 
     @classmethod
-    def from_trace(cls, trace: Trace) -> RunSession:
-        recorded: list[Event] = [*trace.prefill, *trace.steps, Finished(trace.stop_reason)]
-        return cls(trace.info, iter(recorded), None, replay=True)
+    def from_trace(cls, trace: Trace, request: RunRequest | None = None) -> RunSession:
+        """Step through a recorded run. Without a request it is a replay (an uploaded trace);
+        with one it stands for that request's run (decoded whole elsewhere, e.g. in one ZeroGPU
+        call). Either way Stop ends it before its next step, as it ends a live run."""
+        session = cls(trace.info, iter(()), request, replay=request is None)
+        session._stream = session._recorded(trace)
+        return session
+
+    def _recorded(self, trace: Trace) -> Iterator[Event]:
+        yield from trace.prefill
+        for step in trace.steps:
+            if step.index > 0 and self._stop.is_set():  # a live run checks before each step after the first
+                yield Finished("stopped")
+                return
+            yield step
+        yield Finished(trace.stop_reason)
 
     @property
     def finished(self) -> bool:

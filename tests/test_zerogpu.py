@@ -27,7 +27,7 @@ from engine.run import RunRequest
 from engine.sampling import SamplingConfig
 from engine.serving import Policy, ServeConfig, ServeStep, parse_workload, serve
 from engine.session import RunSession
-from ui.gpu import RecordedRun, decode_whole, gpu, paced, serve_whole, zero_gpu
+from ui.gpu import decode_whole, gpu, paced, serve_whole, zero_gpu
 from ui.prefill import ServeRun
 
 PROMPT = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
@@ -60,7 +60,7 @@ def test_the_whole_run_call_pickles_both_ways(requests, one_thread):
 
 def test_a_recorded_run_steps_like_a_live_run(requests, one_thread):
     for request, trace in zip(requests, decode_whole(requests)):
-        recorded, live = RecordedRun(trace, request), RunSession.live(request)
+        recorded, live = RunSession.from_trace(trace, request), RunSession.live(request)
         while (step := live.advance()) is not None:
             assert untimed(recorded.advance()) == untimed(step)  # tokens, drafts, probabilities, draws
         assert recorded.advance() is None and recorded.stop_reason == live.stop_reason == "max_new_tokens"
@@ -71,7 +71,9 @@ def test_a_recorded_run_steps_like_a_live_run(requests, one_thread):
 def test_stop_ends_a_recorded_run_before_its_next_step_as_it_ends_a_live_run(requests, one_thread):
     request = requests[1]
     [trace] = decode_whole((request,))
-    for run in (RecordedRun(trace, request), RunSession.live(request)):
+    uploaded = RunSession.from_trace(trace)  # a replayed trace file: Stop ends its Play too
+    assert uploaded.replay and uploaded.request is None
+    for run in (RunSession.from_trace(trace, request), uploaded, RunSession.live(request)):
         run.advance()
         run.advance()
         run.stop()

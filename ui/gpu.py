@@ -11,8 +11,8 @@ into a worker and back. So on ZeroGPU (`zero_gpu()`) the playground and the chun
 start a run with ONE call of a decorated pure function, `decode_whole` or `serve_whole`: frozen
 settings in, frozen records out (traces, serving results), the whole run inside the call and
 bounded by the tabs' token caps. The tab then walks the records on the CPU, at the user's pace
-(`RecordedRun`: Step, Play, Run, Compare) or at the pace they were recorded (`paced`: the serving
-timeline), so the tabs look and behave as with a live run and show the GPU run's own timings.
+(`RunSession.from_trace(trace, request)`: Step, Play, Run, Compare) or at the pace they were
+recorded (`paced`: the serving timeline), so the tabs look and behave as with a live run and show the GPU run's own timings.
 Elsewhere (CPU, a dedicated GPU) runs stay live.
 
 SPECLAB_ZEROGPU=1 takes the ZeroGPU path without ZeroGPU (tests, a check on a laptop): the
@@ -34,11 +34,9 @@ from typing import TypeVar
 
 import gradio as gr
 
-from engine.decoding import Event, Finished
 from engine.models import load_model
 from engine.run import RunRequest, run
 from engine.serving import RequestRecord, ServeConfig, ServeResult, ServeStep, Workload, run_serve
-from engine.session import RunSession
 from engine.trace import Trace
 from ui.common import user_errors
 
@@ -110,24 +108,6 @@ def serve_whole(preset: str, workload: Workload, configs: tuple[ServeConfig, ...
     """The workload served to its end under each config, one after the other."""
     target = load_model(preset)
     return tuple(run_serve(target, workload, cfg) for cfg in configs)
-
-
-class RecordedRun(RunSession):
-    """A run decoded whole by `decode_whole`, stepped through like a live one: it keeps its
-    request (so changed settings start a new run and Compare checks greedy identity), and Stop
-    ends it before its next step, as a live run stops."""
-
-    def __init__(self, trace: Trace, request: RunRequest):
-        super().__init__(trace.info, self._records(trace), request, replay=False)
-
-    def _records(self, trace: Trace) -> Iterator[Event]:
-        yield from trace.prefill
-        for step in trace.steps:
-            if step.index > 0 and self._stop.is_set():  # a live run checks before each step after the first
-                yield Finished("stopped")
-                return
-            yield step
-        yield Finished(trace.stop_reason)
 
 
 def paced(result: ServeResult) -> Iterator[ServeStep | RequestRecord]:

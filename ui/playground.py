@@ -20,7 +20,7 @@ from engine.session import RunSession
 from engine.mtp.tree import tree_shapes
 from engine.trace import Step, trace_from_json, trace_to_json
 from ui.common import as_float, as_int, default_preset, preset_choices, temp_file, user_errors
-from ui.gpu import RecordedRun, decode_whole, zero_gpu
+from ui.gpu import decode_whole, zero_gpu
 from visualizations import (
     accepted_histogram,
     mtp_tree_figure,
@@ -249,7 +249,7 @@ def start_runs(requests: list[RunRequest]) -> list[RunSession]:
     """Runs to step through in turn: live (the model runs as they are stepped), or on ZeroGPU
     decoded whole in one GPU call and stepped through from their records (ui/gpu.py)."""
     if zero_gpu():
-        return [RecordedRun(trace, request) for trace, request in zip(decode_whole(tuple(requests)), requests)]
+        return [RunSession.from_trace(trace, request) for trace, request in zip(decode_whole(tuple(requests)), requests)]
     load_model(requests[0].model)
     return [RunSession.live(request) for request in requests]
 
