@@ -134,8 +134,8 @@ def matvec_kernels(target: LoadedModel, repeats: int = 20) -> dict[str, dict]:
     return out
 
 
-def report(model: str, tokens: int, repeats: int) -> dict:
-    target = load_model(model)
+def report(model: str, tokens: int, repeats: int, dtype: str = "auto") -> dict:
+    target = load_model(model, dtype=dtype)
     parts = profile_plain(target, tokens, repeats)
     parts["loop python"] = parts["step"] - parts["forward"] - parts["sampling"] - parts["record keeping"]
     nbytes = weight_bytes(target.model)
@@ -162,7 +162,7 @@ def report(model: str, tokens: int, repeats: int) -> dict:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    result = report(args.model, args.tokens, args.repeats)
+    result = report(args.model, args.tokens, args.repeats, args.dtype)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -183,6 +183,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("profile", help="where a plain decoding step's time goes (microbenchmark)")
     p.add_argument("--model", default="embedded")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the preset's)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
