@@ -14,21 +14,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
-from apphelpers import running_app  # noqa: E402
-from screenshots import CHROME_FLAGS, Page  # noqa: E402
+from screenshots import Page, add_common_args, open_app  # noqa: E402
 
 from lessons import ChoiceQuestion, Lesson, Question, from_code, load_lessons, to_code  # noqa: E402
 
@@ -126,30 +121,14 @@ def verify(page: Page, code: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="an app already running (default: launch one)")
-    parser.add_argument("--out", default=str(ROOT / "docs"))
-    parser.add_argument("--width", type=int, default=1440)
-    parser.add_argument("--height", type=int, default=2000)
+    add_common_args(parser, height=2000)
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    options = webdriver.ChromeOptions()
-    for flag in (*CHROME_FLAGS, f"--window-size={args.width},{args.height}",
-                 f"--user-data-dir={tempfile.mkdtemp(prefix='speclab-chromium-')}"):
-        options.add_argument(flag)
     lessons = load_lessons()
-    with (nullcontext(args.url) if args.url else running_app()) as url:
-        driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
-        try:
-            driver.get(url)
-            page = Page(driver, out)
-            page.wait(lambda: driver.find_elements(By.CSS_SELECTOR, "button[role=tab]"), 120, "the app")
-            done = feedback_and_try_it(page, lessons)
-            finish_course(page, lessons, done)
-            verify(page, certificate(page))
-        finally:
-            driver.quit()
+    with open_app(args) as page:
+        page.wait(lambda: page.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]"), 120, "the app")
+        done = feedback_and_try_it(page, lessons)
+        finish_course(page, lessons, done)
+        verify(page, certificate(page))
     return 0
 
 

@@ -16,7 +16,8 @@ import argparse
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from selenium import webdriver
@@ -180,17 +181,20 @@ def mtp_available(preset: str) -> str | None:
     return None
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_args(parser: argparse.ArgumentParser, height: int) -> None:
+    """The options every screenshot tool takes."""
     parser.add_argument("--url", help="an app already running (default: launch one)")
     parser.add_argument("--out", default=str(ROOT / "docs"))
-    parser.add_argument("--preset", default="embedded", help="the preset the app runs (for the MTP check)")
     parser.add_argument("--width", type=int, default=1440)
-    parser.add_argument("--height", type=int, default=2400)
-    args = parser.parse_args()
+    parser.add_argument("--height", type=int, default=height)
+
+
+@contextmanager
+def open_app(args: argparse.Namespace) -> Iterator[Page]:
+    """Headless Chromium on the app (args.url, or one launched for the duration), as a Page
+    writing screenshots to args.out."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-
     options = webdriver.ChromeOptions()
     for flag in (*CHROME_FLAGS, f"--window-size={args.width},{args.height}",
                  f"--user-data-dir={tempfile.mkdtemp(prefix='speclab-chromium-')}"):
@@ -199,17 +203,25 @@ def main() -> int:
         driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
         try:
             driver.get(url)
-            page = Page(driver, out)
-            page.wait_text("model-status", "Model ready", timeout=MODEL_WAIT_S)
-            playground(page)
-            reason = mtp_available(args.preset)
-            if reason:
-                print(f"skipped the MTP tree: {reason}")
-            else:
-                mtp_tree(page)
-            chunked_prefill(page)
+            yield Page(driver, out)
         finally:
             driver.quit()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser, height=2400)
+    parser.add_argument("--preset", default="embedded", help="the preset the app runs (for the MTP check)")
+    args = parser.parse_args()
+    with open_app(args) as page:
+        page.wait_text("model-status", "Model ready", timeout=MODEL_WAIT_S)
+        playground(page)
+        reason = mtp_available(args.preset)
+        if reason:
+            print(f"skipped the MTP tree: {reason}")
+        else:
+            mtp_tree(page)
+        chunked_prefill(page)
     return 0
 
 
