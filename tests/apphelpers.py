@@ -59,3 +59,22 @@ def play_then_stop(client, settings: dict, first_output_s: float = 120) -> tuple
     client.predict(api_name="/stop")
     readout = job.result(timeout=120)[1]
     return readout, len(job.outputs())
+
+
+# request settings the app tests send (a copy prompt prompt lookup drafts well)
+PLAYGROUND = dict(prompt="Repeat exactly: red, green, blue, red, green, blue.", preset="embedded",
+                  method="prompt-lookup", k=4, adaptive=False, temperature=0, top_k=0, top_p=1, seed=0,
+                  max_new_tokens=12, raw=False, rule="exact", tree="chain")
+PREFILL = dict(preset="embedded", scenario="doc-arrives", max_new_tokens=2)
+
+
+def prefill_compare_then_stop(client, chunk_size: int, first_output_s: float = 120) -> tuple:
+    """Start a chunked-prefill Compare (decode-first vs none), press Stop at its first update;
+    the job's final outputs."""
+    job = client.submit(api_name="/prefill_compare", policy="decode-first", chunk_size=chunk_size, policy_b="none",
+                        chunk_size_b=chunk_size, **PREFILL)
+    deadline = time.time() + first_output_s
+    while not job.outputs() and time.time() < deadline:
+        time.sleep(0.1)
+    client.predict(api_name="/prefill_stop")
+    return job.result(timeout=300)

@@ -1,19 +1,15 @@
 """The app as users reach it: launched for real, driven through its own API client."""
 
 import json
-import time
 
 import pytest
 from gradio_client import Client, handle_file
 
-from apphelpers import play_then_stop, running_app
+from apphelpers import PLAYGROUND, PREFILL, play_then_stop, prefill_compare_then_stop, running_app
 
 pytestmark = [pytest.mark.app, pytest.mark.embedded]
 
-SETTINGS = dict(prompt="Repeat exactly: red, green, blue, red, green, blue.", preset="embedded",
-                method="prompt-lookup", k=4, adaptive=False, temperature=0, top_k=0, top_p=1, seed=0,
-                max_new_tokens=12, raw=False, rule="exact", tree="chain")
-PREFILL = dict(preset="embedded", scenario="doc-arrives", max_new_tokens=2)
+SETTINGS = PLAYGROUND
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +92,7 @@ def test_chunked_prefill_compares_two_settings_and_streams_the_timeline(client):
 
 
 def test_chunked_prefill_stop_ends_the_job_before_its_second_setting(client):
-    job = client.submit(api_name="/prefill_compare", policy="decode-first", chunk_size=64, policy_b="none",
-                        chunk_size_b=64, **PREFILL)
-    deadline = time.time() + 120
-    while not job.outputs() and time.time() < deadline:
-        time.sleep(0.1)
-    client.predict(api_name="/prefill_stop")
-    progress, timeline_a, timeline_b, *_ = job.result(timeout=300)
+    progress, timeline_a, timeline_b, *_ = prefill_compare_then_stop(client, chunk_size=64)
     assert "**A: decode-first, chunk 64** (stopped)" in progress
     assert timeline_b is None  # B never ran
 

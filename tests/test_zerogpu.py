@@ -19,7 +19,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from apphelpers import play_then_stop, running_app
+from apphelpers import PLAYGROUND, PREFILL, play_then_stop, prefill_compare_then_stop, running_app
 from engine.decoding import DecodeConfig
 from engine.drafters import DrafterSpec
 from engine.models import load_model
@@ -158,10 +158,7 @@ def test_without_zerogpu_the_decorator_leaves_a_function_as_it_is(monkeypatch):
 
 # the real app on the ZeroGPU path, through its API client
 
-SETTINGS = dict(prompt="Repeat exactly: red, green, blue, red, green, blue.", preset="embedded",
-                method="prompt-lookup", k=4, adaptive=False, temperature=0, top_k=0, top_p=1, seed=0,
-                max_new_tokens=16, raw=False, rule="exact", tree="chain")
-PREFILL = dict(preset="embedded", scenario="doc-arrives", max_new_tokens=2)
+SETTINGS = dict(PLAYGROUND, max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +239,7 @@ def test_chunked_prefill_on_the_zerogpu_path_replays_the_timeline_and_stop_ends_
     assert len(job.outputs()) > 1  # the timeline filled step by step
     # both settings are served in the GPU call; the replay of A takes as long as A took (the
     # document arrives at 1 s), so a Stop at its first update lands inside it
-    job = client.submit(api_name="/prefill_compare", policy="decode-first", chunk_size=512, policy_b="none",
-                        chunk_size_b=512, **PREFILL)
-    deadline = time.time() + 300
-    while not job.outputs() and time.time() < deadline:
-        time.sleep(0.1)
-    client.predict(api_name="/prefill_stop")
-    progress, timeline_a, timeline_b, *_ = job.result(timeout=300)
+    progress, timeline_a, timeline_b, *_ = prefill_compare_then_stop(client, chunk_size=512, first_output_s=300)
     assert "**A: decode-first, chunk 512** (stopped)" in progress
     assert timeline_b is None
 
