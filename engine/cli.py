@@ -14,6 +14,7 @@ from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig
 from engine.drafters import DrafterSpec, drafter_names, vocab
 from engine.errors import InputError
+from engine.models import DTYPE_CHOICES
 from engine.run import RunRequest, report, run
 from engine.sampling import SamplingConfig
 from engine.trace import Step
@@ -83,6 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk, sampling=sampling_from_args(args), rule=AcceptRule(args.accept),
         ),
         drafter=drafter_from_args(args),
+        dtype=args.dtype,
     )
 
     def stream(event) -> None:
@@ -120,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of N tokens (0 = one forward)")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="the target's dtype (auto: bfloat16 with batch-invariant kernels where this CPU has fast "
+                        "bfloat16 instructions, else float32; the preset's if it sets one)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(g)
     add_sampling_args(g)

@@ -30,11 +30,10 @@ from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.mtp.tree import greedy_accept_tree, keep_path, tree_inputs
 from engine.sampling import SamplingConfig, choose, probs_from_logits
-from engine.trace import MAX_OUTPUT_TOKENS, EmittedToken, PrefillChunk, Step, TopToken
+from engine.trace import MAX_OUTPUT_TOKENS, TOP_N, EmittedToken, PrefillChunk, Step, TopToken
 
 MAX_K = 16
 MAX_NEW_TOKENS = MAX_OUTPUT_TOKENS  # a run's cap; a trace with more tokens is refused on loading
-TOP_N = 5  # alternatives kept per emitted token
 
 
 @dataclass(frozen=True)

@@ -88,13 +88,19 @@ def expected_tokens_per_step(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def predicted_speedup(a: float, k: int, c: float) -> float:
+def predicted_speedup(a: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     """Leviathan et al. 2023, Theorem 3.8: (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+
+    The theorem assumes verifying k + 1 tokens costs one plain step. verify_cost is the measured
+    cost of that forward as a multiple of one step (engine.verify_curve), which replaces the 1:
+    (1 - a^(k+1)) / ((1 - a)(k c + verify_cost)).
 
     >>> round(predicted_speedup(0.8, 4, 0.05), 3)
     2.801
+    >>> round(predicted_speedup(0.8, 4, 0.05, verify_cost=1.6), 3)
+    1.868
     """
-    return expected_tokens_per_step(a, k) / (k * c + 1)
+    return expected_tokens_per_step(a, k) / (k * c + verify_cost)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -130,8 +136,21 @@ def itl_per_step_s(steps: Sequence[Step]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_step_s: float | None = None) -> dict:
-    """The metrics object of the CLI JSON and the UI readouts."""
+def verify_cost(verify_ms: Sequence[float], tokens: int) -> float | None:
+    """Cost of a forward over `tokens` tokens / over one, from a verify curve (ms for T = 1, 2, ...).
+
+    >>> verify_cost([20.0, 20.5, 21.0, 21.5, 22.0], 5), verify_cost([20.0], 5), verify_cost([], 1)
+    (1.1, None, None)
+    """
+    if not verify_ms or not 1 <= tokens <= len(verify_ms):
+        return None
+    return verify_ms[tokens - 1] / verify_ms[0]
+
+
+def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_step_s: float | None = None,
+            verify_ms: Sequence[float] = ()) -> dict:
+    """The metrics object of the CLI JSON and the UI readouts. verify_ms (the run's measured
+    verify curve, RunInfo.verify_ms) adds the prediction with the measured verification cost."""
     n_tokens = sum(len(s.emitted) for s in steps)
     wall = steps[-1].end_s if steps else 0.0
     itl = itl_per_token_s(steps)
@@ -143,6 +162,7 @@ def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_ste
     c = cost_ratio(steps, baseline_step_s)
     k_values = [s.k for s in verify_steps(steps) if s.k > 0]
     mean_k = statistics.mean(k_values) if k_values else 0
+    cost = verify_cost(verify_ms, round(mean_k) + 1) if k_values else None  # T = k + 1
     return {
         "output_tokens": n_tokens,
         "target_steps": len(steps),
@@ -162,6 +182,10 @@ def summary(steps: Sequence[Step], prefill: Sequence[PrefillChunk], baseline_ste
         "per_position_acceptance": per_position_acceptance(steps),
         "cost_ratio": c,
         "predicted_speedup": predicted_speedup(alpha, round(mean_k), c) if alpha is not None and c is not None else None,
+        "verify_cost": cost,
+        "predicted_speedup_measured_verify": (
+            predicted_speedup(alpha, round(mean_k), c, cost) if None not in (alpha, c, cost) else None
+        ),
     }
 
 

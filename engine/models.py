@@ -61,13 +61,42 @@ def pick_device(requested: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pick_dtype(requested: str, device: str) -> torch.dtype:
-    if requested == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # what a preset, a request or the playground may ask for
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that make bfloat16 matmuls fast
+
+
+@functools.cache
+def cpu_bf16_flags() -> tuple[str, ...]:
+    """This CPU's bfloat16 matrix instructions, from /proc/cpuinfo (empty where unknown)."""
     try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[requested]
-    except KeyError:
-        raise InputError(f"unknown dtype {requested!r} (float32, bfloat16, float16 or auto)") from None
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    flags = next((line.partition(":")[2].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return tuple(f for f in BF16_FLAGS if f in flags)
+
+
+def choose_dtype(requested: str, device: str) -> tuple[torch.dtype, str]:
+    """The dtype to load in, and why (shown in the app, recorded in every trace).
+
+    "auto" is the fastest dtype whose verification of a few tokens costs about one step:
+    bfloat16 on CUDA and on CPUs with bfloat16 matrix instructions, float32 elsewhere (without
+    them torch's bfloat16 kernels are emulated and slower than float32)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise InputError(f"unknown dtype {requested!r} (float32, bfloat16, float16 or auto)")
+        return DTYPES[requested], f"{requested}: asked for by the preset or the caller"
+    if device.startswith("cuda"):
+        return torch.bfloat16, "bfloat16: auto on CUDA"
+    flags = cpu_bf16_flags()
+    if flags:
+        return torch.bfloat16, f"bfloat16: auto, this CPU has {' and '.join(flags)} (fast bfloat16 matrix kernels)"
+    return torch.float32, "float32: auto, this CPU has no bfloat16 matrix instructions (avx512_bf16, amx_bf16)"
+
+
+def pick_dtype(requested: str, device: str) -> torch.dtype:
+    return choose_dtype(requested, device)[0]
 
 
 def gguf_path(spec: str) -> Path:
@@ -138,6 +167,8 @@ class LoadedModel:
     tokenizer: object
     device: str
     dtype: torch.dtype
+    dtype_reason: str = ""  # why this dtype (engine.models.choose_dtype)
+    batch_invariant: bool = False  # logits do not depend on how many tokens share a forward (engine.invariant)
 
     @property
     def name(self) -> str:
@@ -197,13 +228,20 @@ def _load_folder(folder: Path, device: str, dtype: torch.dtype):
     return model.eval().requires_grad_(False), tokenizer
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+KERNELS = ("auto", "stock")
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", kernels: str = "auto") -> LoadedModel:
     """Load a model once per process (thread-safe); later calls return the same object.
 
     spec: a preset name (its target), a "gguf:" spec, a local folder, an allowed hub id, or
     "distilled:<weights name or folder>" (a draft built from its target plus trained layers).
-    A corrupt conversion cache is rebuilt rather than fatal.
+    A corrupt conversion cache is rebuilt rather than fatal. kernels "auto": batch-invariant
+    attention and linears where they apply (bfloat16 on a CPU, engine.invariant); "stock":
+    transformers' own (for benchmarks that compare the two).
     """
+    if kernels not in KERNELS:
+        raise InputError(f"unknown kernels {kernels!r} ({', '.join(KERNELS)})")
     if spec.startswith(DISTILLED_PREFIX):
         return _load_distilled(spec, device, dtype)
     if spec in presets():
@@ -211,24 +249,39 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         spec, device = preset.target, (preset.device if device == "auto" else device)
         dtype = preset.dtype if dtype == "auto" else dtype
     device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, device)
-    key = (spec, device, str(torch_dtype))
+    torch_dtype, reason = choose_dtype(dtype, device)
+    invariant = kernels == "auto" and device == "cpu" and torch_dtype is torch.bfloat16
+    key = (spec, device, str(torch_dtype), invariant)
     with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        folder = resolve_local(spec)
-        try:
-            model, tokenizer = _load_folder(folder, device, torch_dtype)
-        except InputError:
-            raise
-        except Exception as err:
-            if not spec.startswith(GGUF_PREFIX):
-                raise InputError(f"could not load model {spec!r}: {str(err).splitlines()[0][:160]}") from err
-            shutil.rmtree(folder, ignore_errors=True)  # corrupt cache: convert again
-            model, tokenizer = _load_folder(resolve_local(spec), device, torch_dtype)
-        loaded = LoadedModel(spec, model, tokenizer, device, torch_dtype)
-        _loaded[key] = loaded
-        return loaded
+        if key not in _loaded:
+            _loaded[key] = _load(spec, device, torch_dtype, reason, invariant, fall_back=dtype == "auto")
+        return _loaded[key]
+
+
+def _load(spec: str, device: str, dtype: torch.dtype, reason: str, invariant: bool, fall_back: bool) -> LoadedModel:
+    """Load; with `invariant`, switch to batch-invariant kernels and check them, and if an
+    automatic bfloat16 choice fails the check, fall back to float32."""
+    from engine.invariant import make_invariant, self_check
+
+    folder = resolve_local(spec)
+    try:
+        model, tokenizer = _load_folder(folder, device, dtype)
+    except InputError:
+        raise
+    except Exception as err:
+        if not spec.startswith(GGUF_PREFIX):
+            raise InputError(f"could not load model {spec!r}: {str(err).splitlines()[0][:160]}") from err
+        shutil.rmtree(folder, ignore_errors=True)  # corrupt cache: convert again
+        model, tokenizer = _load_folder(resolve_local(spec), device, dtype)
+    if invariant:
+        make_invariant(model)
+        invariant = self_check(model)
+        if not invariant and fall_back:
+            model, tokenizer = _load_folder(folder, device, torch.float32)
+            dtype, reason = torch.float32, "float32: auto, bfloat16 kernels here failed the batch-invariance check"
+    elif device == "cpu" and dtype is torch.bfloat16:
+        reason += "; transformers' stock kernels (not batch-invariant)"
+    return LoadedModel(spec, model, tokenizer, device, dtype, reason, invariant)
 
 
 def _load_distilled(spec: str, device: str, dtype: str) -> LoadedModel:

@@ -15,6 +15,7 @@ from engine.errors import InputError
 from engine.metrics import summary
 from engine.models import LoadedModel, load_model
 from engine.trace import PrefillChunk, RunInfo, Step, Trace, to_jsonable
+from engine.verify_curve import curve_for
 
 MAX_PROMPT_CHARS = 100_000
 
@@ -26,6 +27,8 @@ class RunRequest:
     raw: bool = False  # skip the chat template
     decode: DecodeConfig = DecodeConfig()
     drafter: DrafterSpec = field(default_factory=lambda: DrafterSpec("baseline"))
+    dtype: str = "auto"  # the preset's dtype unless set (engine.models.choose_dtype)
+    kernels: str = "auto"  # "stock": transformers' own kernels, not batch-invariant (benchmarks)
 
 
 @dataclass
@@ -44,7 +47,7 @@ def prepare(request: RunRequest) -> Prepared:
         raise InputError("the prompt is empty")
     if len(request.prompt) > MAX_PROMPT_CHARS:
         raise InputError(f"the prompt is {len(request.prompt)} characters (limit {MAX_PROMPT_CHARS})")
-    target = load_model(request.model)
+    target = load_model(request.model, dtype=request.dtype, kernels=request.kernels)
     prompt_ids = target.encode(request.prompt, raw=request.raw)
     drafter = build_drafter(target, request.drafter)
     cfg = request.decode
@@ -65,6 +68,9 @@ def prepare(request: RunRequest) -> Prepared:
         prompt_text=request.prompt,
         prompt_token_ids=tuple(prompt_ids),
         lossy=cfg.rule is not AcceptRule.EXACT,
+        dtype_reason=target.dtype_reason,
+        batch_invariant=target.batch_invariant,
+        verify_ms=curve_for(target).ms,
     )
     return Prepared(request, target, prompt_ids, drafter, info)
 
@@ -126,5 +132,5 @@ def report(trace: Trace, baseline_step_s: float | None = None) -> dict:
         "settings": {k: v for k, v in to_jsonable(trace.info).items() if k not in ("prompt_text", "prompt_token_ids")},
         "prefill_chunks": [to_jsonable(c) for c in trace.prefill],
         "steps": steps,
-        "metrics": summary(trace.steps, trace.prefill, baseline_step_s),
+        "metrics": summary(trace.steps, trace.prefill, baseline_step_s, trace.info.verify_ms),
     }

@@ -24,6 +24,8 @@ MAX_ITEMS = 200_000  # no list inside a trace may be longer
 MAX_DEPTH = 12  # JSON nesting deeper than the schema can ever be is refused
 MAX_OUTPUT_TOKENS = 4096  # no run emits more (engine.decoding.MAX_NEW_TOKENS is this)
 MAX_STEP_DRAFTS = 256  # no step of a trace drafts more (chains draft <= 16, the largest tree 16)
+TOP_N = 5  # alternatives kept per emitted token (and per MTP head)
+MAX_CURVE_POINTS = 64  # a verify curve (RunInfo.verify_ms) measures T = 1..17
 STOP_REASONS = ("eos", "max_new_tokens", "context", "stopped")  # "context": the model's context is full
 
 
@@ -105,6 +107,9 @@ class RunInfo:
     prompt_text: str
     prompt_token_ids: tuple[int, ...]
     lossy: bool = False
+    dtype_reason: str = ""  # why the target runs in this dtype (engine.models.choose_dtype)
+    batch_invariant: bool = False  # target logits independent of how many tokens share a forward
+    verify_ms: tuple[float, ...] = ()  # this machine's verify curve: ms of one forward over T = 1, 2, ... tokens
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,9 @@ def trace_from_json(text: str | bytes) -> Trace:
         raise InputError(f"trace field trace.stop_reason must be one of {', '.join(STOP_REASONS)}")
     if len(trace.output_token_ids) > MAX_OUTPUT_TOKENS:
         raise InputError(f"trace has {len(trace.output_token_ids)} output tokens (limit {MAX_OUTPUT_TOKENS})")
+    curve = trace.info.verify_ms
+    if len(curve) > MAX_CURVE_POINTS or not all(math.isfinite(ms) and ms > 0 for ms in curve):
+        raise InputError(f"trace field trace.info.verify_ms must hold at most {MAX_CURVE_POINTS} positive times")
     for i, step in enumerate(trace.steps):
         problem = _step_problem(step, i)
         if problem:

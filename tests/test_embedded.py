@@ -5,7 +5,7 @@ import torch
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
-from engine.models import cache_root, gguf_path, load_model, presets, resolve_local
+from engine.models import cache_root, choose_dtype, gguf_path, load_model, presets, resolve_local
 from engine.trace import Step
 
 pytestmark = pytest.mark.embedded
@@ -27,7 +27,10 @@ def test_preset_and_conversion_cache(embedded):
     folder = resolve_local(presets()["embedded"].target)
     assert folder.parent == cache_root() and (folder / "model.safetensors").is_file()
     assert gguf_path(presets()["embedded"].target).name in (folder / "SOURCE").read_text()
-    assert embedded.model.config.num_hidden_layers == 30 and embedded.dtype == torch.float32
+    assert embedded.model.config.num_hidden_layers == 30
+    # auto: bfloat16 with batch-invariant kernels on a CPU with bfloat16 instructions, else float32
+    assert embedded.dtype == choose_dtype("auto", "cpu")[0]
+    assert embedded.batch_invariant == (embedded.dtype == torch.bfloat16) and embedded.dtype_reason.startswith("bfloat16: auto") == embedded.batch_invariant
 
 
 def test_chat_template_and_raw_mode(embedded):
@@ -65,7 +68,10 @@ def test_chunked_prefill_gives_the_same_next_token_logits(embedded):
         a = embedded.model(input_ids=ids, cache=one).logits[0, -1]
         for s in range(0, ids.shape[1], 16):
             b = embedded.model(input_ids=ids[:, s:s + 16], cache=chunked).logits[0, -1]
-    assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
+    if embedded.batch_invariant:
+        assert torch.equal(a, b)
+    else:
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
 def test_a_corrupt_conversion_cache_is_rebuilt(tmp_path, monkeypatch):

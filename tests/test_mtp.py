@@ -222,7 +222,7 @@ def test_drafting_vocabulary_scores_only_its_tokens(target):
     lm_head = target.model.get_output_embeddings()
     ids = torch.tensor([40, 3, 17, 3, 63])  # unsorted, repeated: kept once each, sorted
     vocab = DraftVocabulary(ids, lm_head, target.vocab_size)
-    hidden = torch.randn(2, lm_head.weight.shape[1])
+    hidden = torch.randn(2, lm_head.weight.shape[1], dtype=lm_head.weight.dtype)  # the target's hidden states
     logits = vocab.logits(hidden)
     full = lm_head(hidden).float()
     assert len(vocab) == 4 and logits.shape == full.shape
@@ -306,7 +306,7 @@ def test_native_mtp_drafts_equal_a_cache_free_recomputation(native_target):
     drafter = build_drafter(native_target, DrafterSpec("mtp"))
     events = list(generate(native_target, PROMPT, DecodeConfig(max_new_tokens=20, k=3, ignore_eos=True), drafter))
     context = PROMPT + tokens_of(events)
-    drafter.observe(context, 0, torch.zeros(0, 32))  # nothing new: the last step's rows are in already
+    drafter.observe(context, 0, torch.zeros(0, 32, dtype=native_target.dtype))  # nothing new: the last step's rows are in already
     mine = drafter.propose(context, 3, SamplingConfig(), torch.Generator()).token_ids.tolist()
     mtp = drafter.layers.mtp
     below = native_target.model(input_ids=torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0]

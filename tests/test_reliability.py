@@ -102,6 +102,10 @@ def hostile_files(trace: dict) -> list[tuple[str, str | bytes, str]]:
         ("tree ranks outside the heads", with_step(trace, draft_ranks=[[5]] * trace["steps"][1]["k"],
                                                     head_top=[[]]), "inconsistent"),
         ("more tokens than any run", json.dumps(big), "output tokens"),
+        ("verify curve with a zero time", json.dumps(dict(trace, info=dict(trace["info"], verify_ms=[0.0, 1.0]))),
+         "verify_ms"),
+        ("verify curve too long", json.dumps(dict(trace, info=dict(trace["info"], verify_ms=[1.0] * 65))),
+         "verify_ms"),
     ]
 
 

@@ -27,6 +27,7 @@ from engine.mtp.native import NativeMTP, has_mtp_layers
 from engine.mtp.tree import TreeShape, tree_shape
 from engine.mtp.weights import find_weights, resolve_weights
 from engine.sampling import SamplingConfig, choose, probs_from_logits
+from engine.trace import TOP_N
 
 
 class MTPHeadsDrafter:
@@ -37,7 +38,7 @@ class MTPHeadsDrafter:
         n = len(heads.blocks)
         if tree is not None and tree.depth > n:
             raise InputError(f"tree {tree.name!r} is {tree.depth} deep but there are only {n} MTP heads")
-        self.heads = heads
+        self.heads = heads.to(target.device, target.dtype)  # they read the target's hidden states
         lm_head = target.model.get_output_embeddings()
         if vocabulary is None:
             self.score = lambda h: lm_head(h).float()
@@ -58,7 +59,10 @@ class MTPHeadsDrafter:
             ids = [choose(probs[i], logits[i], sampling, float(torch.rand((), generator=rng))) for i in range(n)]
             return DraftProposal(torch.tensor(ids, dtype=torch.long), probs[:n], head_probs=probs[:n])
         paths = self.tree.paths
-        top = [torch.topk(logits[d], self.tree.top_k(d + 1)).indices.tolist() for d in range(self.tree.depth)]
+        # ranked on the same rows, with the same count, as the step record's per-head top candidates
+        # (engine.decoding._head_top), so ties rank alike in both
+        top = [torch.topk(probs[d], max(TOP_N, self.tree.top_k(d + 1))).indices[:self.tree.top_k(d + 1)].tolist()
+               for d in range(self.tree.depth)]
         ids = torch.tensor([top[len(p) - 1][p[-1]] for p in paths], dtype=torch.long)
         node_probs = probs[[len(p) - 1 for p in paths]]  # (nodes, V): each node's head distribution
         return DraftProposal(ids, node_probs, parents=self.tree.parents, head_probs=probs[: self.tree.depth],

@@ -12,11 +12,14 @@ So the step is built here, on the loaded model itself:
   request; every linear layer, norm and the LM head run once for all requests.
 - Attention is routed, through transformers' AttentionInterface, to `packed_attention`, which
   splits the T tokens into their requests' segments, appends each segment's keys/values to that
-  request's own DynamicCache, and runs transformers' SDPA attention per segment with the same
-  mask a solo run would use (causal; offset by the cached length). A request's attention is
-  therefore computed exactly as in a solo run with the same prefill chunks; what can differ is
-  the last bits of the packed matrix products (BLAS blocks rows differently for T rows than for
-  one), which only matters at an exact near-tie of the top two logits.
+  request's own DynamicCache, and runs the model's own attention per segment (transformers'
+  SDPA, or engine.invariant's batch-invariant attention) with the same mask a solo run would use
+  (causal; offset by the cached length). A request's attention is therefore computed as in a
+  solo run with the same prefill chunks. With a batch-invariant model (bfloat16 on a CPU) the
+  packed linears and norms give each row bitwise its solo value too, so every request's output
+  is bitwise its solo output; otherwise the last bits of the packed matrix products can differ
+  (BLAS blocks rows differently for T rows than for one), which only matters at an exact near-tie
+  of the top two logits.
 - The model is shared read-only by every session, so packing uses a view: a copy of the module
   tree that shares every weight tensor with the loaded model and differs only in its config's
   attention implementation. The loaded model itself is never modified.
@@ -37,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from engine.errors import InputError
+from engine.invariant import invariant_attention
 from engine.models import LoadedModel
 
 ATTENTION_NAME = "speclab_packed"
@@ -52,7 +56,8 @@ class Segment:
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     speclab_segments: tuple[Segment, ...] = (), **kwargs):
+                     speclab_segments: tuple[Segment, ...] = (), speclab_attention=sdpa_attention_forward,
+                     **kwargs):
     """Attention of a packed step, request by request. query (1, Hq, T, D); key, value
     (1, Hkv, T, D) hold the new tokens only; returns (1, T, Hq, D) like every attention
     function of transformers."""
@@ -66,8 +71,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         mask = None
         if 1 < n < total:
             mask = torch.ones(n, total, dtype=torch.bool, device=k.device).tril(total - n)[None, None]  # (1, 1, n, S)
-        out, _ = sdpa_attention_forward(module, query[:, :, seg.lo:seg.hi], k, v, mask,
-                                        dropout=dropout, scaling=scaling, **kwargs)
+        out, _ = speclab_attention(module, query[:, :, seg.lo:seg.hi], k, v, mask,
+                                   dropout=dropout, scaling=scaling, **kwargs)
         outputs.append(out)  # (1, n, Hq, D)
     return torch.cat(outputs, dim=1), None
 
@@ -109,5 +114,6 @@ def forward_packed(target: LoadedModel, token_ids: list[int], positions: list[in
         use_cache=False,  # the per-request caches live in the segments
         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
         speclab_segments=segments,
+        speclab_attention=invariant_attention if target.batch_invariant else sdpa_attention_forward,
     )
     return out.logits[0].float()  # (len(keep), V)

@@ -1,0 +1,265 @@
+"""Batch-invariant target forward: a position's logits and KV entries are bitwise the same
+whether it is computed alone (plain decoding), inside a k+1-token verification, inside a tree
+verification, or inside a prefill chunk of any size.
+
+Why it is needed: in 16-bit on a CPU, the matrix kernels reduce in an order that can depend on
+how many rows share a call. Two places were found on this machine (`tests/test_invariant.py`
+proves the fix on the embedded model and on a tiny one):
+
+- Linear layers: the single-row path (a matrix-vector kernel) reduces a long input (the MLP down
+  projection's 1536 inputs) in another order than the multi-row kernel, which agrees with itself
+  for every row count. `InvariantLinear` sends a single row through the multi-row kernel (two
+  copies of the row, one result kept). Which linears need it is measured on their own weights.
+- Attention: SDPA (and transformers' eager path) reduce over a number of keys and with kernels
+  that depend on the query count. `invariant_attention` computes each query's attention with
+  shapes that do not: the queries sharing a key/value head are stacked (GQA: groups x tokens
+  rows, never fewer than two), scores and the weighted sum of values are 16-bit matrix products
+  whose per-element reduction runs over the head dimension and over the keys in key order
+  (masked keys contribute exact zeros), and the softmax (`invariant_softmax`) pads each row to a
+  multiple of 64 keys, takes every exp through the vector kernel and sums with a sequential
+  cumulative sum, so a row's weights do not depend on its length. Contexts under 64 keys are
+  padded with masked zero keys: torch sends batched products under 16^3 multiply-adds to
+  another kernel (cpublas rather than oneDNN) that rounds differently. A tree verification (a
+  draft sees only its ancestors) gathers each draft's visible keys into a contiguous row, as
+  plain decoding of that path would see them.
+
+Registered through transformers' AttentionInterface under ATTENTION_NAME; the model file is not
+patched. Float32 models keep SDPA: the float32 BLAS here is not row-invariant, and the engine's
+fast dtype on such CPUs is bfloat16 anyway (engine.models.pick_dtype).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "speclab_invariant"
+QUERY_BLOCK = 256  # long prefill chunks: queries in blocks (rows are independent) to bound memory
+
+
+KEY_BLOCK = 64  # softmax rows are padded to a multiple of this: every element takes the vector exp
+GRAIN = 32768  # torch's parallel grain (at::internal::GRAIN_SIZE): smaller calls run on one thread
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp of a contiguous float32 tensor whose size is a multiple of KEY_BLOCK, every element
+    through the same (vectorized) kernel. torch computes the ragged tail of each thread's share of
+    a call with the scalar exp, which can differ in the last bit, and where those tails fall
+    depends on the tensor's size. Here every share is a whole number of vectors: pieces of GRAIN
+    elements per thread (split evenly), and what is left in calls small enough for one thread."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n <= GRAIN:
+        return torch.exp(x)
+    out = torch.empty_like(flat)
+    piece = GRAIN * torch.get_num_threads()
+    whole = n - n % piece
+    for lo in range(0, whole, piece):
+        torch.exp(flat[lo:lo + piece], out=out[lo:lo + piece])
+    for lo in range(whole, n, GRAIN // 2):  # each under the grain: one thread, no split
+        torch.exp(flat[lo:lo + GRAIN // 2], out=out[lo:lo + GRAIN // 2])
+    return out.view_as(x)
+
+
+def invariant_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim (float32, masked keys -inf) whose value for a row depends only on
+    the row's unmasked entries, not on its length or on how many rows share the call.
+
+    torch.softmax sums a row with vector lanes whose grouping depends on the row's length, so a
+    query that sees c keys gets other last bits inside a verification (its row padded to the
+    longest row's length) than alone. Here the row is padded to a multiple of KEY_BLOCK, the max
+    is exact whatever the order, every exp takes the vector kernel (_exp), and the sum adds
+    blocks of KEY_BLOCK (a fixed-length reduction each) with a sequential cumulative sum, which
+    the zero blocks of a masked tail leave unchanged.
+
+    >>> x = torch.tensor([[0.5, 1.5, 2.0, float("-inf")], [0.5, 1.5, 2.0, 3.0]])
+    >>> torch.equal(invariant_softmax(x)[0, :3], invariant_softmax(x[:1, :3])[0])
+    True
+    """
+    n = scores.shape[-1]
+    width = -(-n // KEY_BLOCK) * KEY_BLOCK
+    padded = F.pad(scores, (0, width - n), value=float("-inf")).contiguous()
+    e = _exp(padded.sub_(padded.amax(dim=-1, keepdim=True)))
+    blocks = e.unflatten(-1, (width // KEY_BLOCK, KEY_BLOCK)).sum(dim=-1)  # (..., width / KEY_BLOCK)
+    total = blocks.cumsum(dim=-1)[..., -1:]
+    return e[..., :n].div_(total)
+
+
+def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """query (..., Hq, T, D), key/value (..., Hkv, N, D), bias (..., T, N) float32 or None
+    -> (..., T, Hq, D). Every output row's value depends only on its own query row and keys."""
+    *lead, hq, t, d = query.shape
+    hkv, n = key.shape[-3], key.shape[-2]
+    g = hq // hkv
+    if n < KEY_BLOCK:
+        # torch hands batched products below 16^3 multiply-adds to another kernel (cpublas, not
+        # oneDNN), which rounds differently: a short context would take it alone and not inside a
+        # verification. Masked zero keys keep every product on the oneDNN kernel.
+        extra = KEY_BLOCK - n
+        key, value = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra))
+        if bias is None:
+            bias = torch.zeros(t, n, device=query.device)
+        bias = F.pad(bias, (0, extra), value=float("-inf"))
+        n = KEY_BLOCK
+    rows = query.reshape(*lead, hkv, g * t, d)  # queries sharing a KV head: (group, token) rows
+    pad = g * t == 1  # one row would take the matrix-vector kernel: duplicate it
+    if pad:
+        rows = torch.cat([rows, rows], dim=-2)
+    scores = torch.matmul(rows, key.transpose(-1, -2)).float() * scale  # (..., Hkv, rows, N)
+    if pad:
+        scores = scores[..., :1, :]
+    if bias is not None:  # (..., T, N) -> shared by the heads and the query groups
+        scores = (scores.reshape(*lead, hkv, g, t, n) + bias.unsqueeze(-3).unsqueeze(-4)).reshape(*lead, hkv, g * t, n)
+    weights = invariant_softmax(scores).to(value.dtype)
+    if pad:
+        weights = torch.cat([weights, weights], dim=-2)
+    out = torch.matmul(weights, value)  # (..., Hkv, rows, D)
+    if pad:
+        out = out[..., :1, :]
+    return out.reshape(*lead, hq, t, d).transpose(-2, -3)  # (..., T, Hq, D)
+
+
+def _visible(attention_mask: torch.Tensor | None, t: int, n: int, device) -> torch.Tensor:
+    """(T, N) bool: may query row i attend to key j. No mask: causal, the T queries being the
+    last T positions."""
+    if attention_mask is None:
+        return torch.arange(n, device=device)[None, :] <= torch.arange(n - t, n, device=device)[:, None]
+    mask = attention_mask[0, 0]  # one sequence; the mask is shared by the heads
+    if mask.dtype != torch.bool:  # additive: 0 where allowed, the dtype's minimum where not
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask[-t:, -n:]
+
+
+def _masked_tail(counts: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows, width) float32: 0 for the first counts[r] slots of row r, -inf after."""
+    slots = torch.arange(width, device=counts.device)[None, :]
+    return torch.zeros(len(counts), width, device=counts.device).masked_fill_(slots >= counts[:, None], float("-inf"))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a forward's T query rows are computed; the same for every layer of the forward."""
+
+    blocks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()  # prefix rows: (lo, hi, keys, bias)
+    order: torch.Tensor | None = None  # rows with holes: (T, width) key indices, visible first
+    bias: torch.Tensor | None = None  # (T, width) for those rows
+
+
+def _plan(attention_mask: torch.Tensor | None, t: int, n: int, device) -> _Plan:
+    visible = _visible(attention_mask, t, n, device)
+    counts = visible.sum(-1)  # (T,)
+    if torch.equal(torch.arange(n, device=device)[None, :] < counts[:, None], visible):
+        # causal rows (a chain's verification, prefill chunks): keys past the longest row are
+        # cut (they would add exact zeros), the rest masked; long chunks in blocks of rows
+        blocks = []
+        for lo in range(0, t, QUERY_BLOCK):
+            c = counts[lo:lo + QUERY_BLOCK]
+            keys = int(c.max())
+            blocks.append((lo, lo + len(c), keys, _masked_tail(c, keys)))
+        return _Plan(blocks=tuple(blocks))
+    # a tree's ancestor mask: each row's visible keys in key order (a stable sort puts them first)
+    width = int(counts.max())
+    order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+    return _Plan(order=order, bias=_masked_tail(counts, width))
+
+
+_last_plan = threading.local()  # (mask, T, N, plan) of the forward in progress on this thread
+
+
+def _plan_for(attention_mask: torch.Tensor | None, t: int, n: int, device) -> _Plan:
+    """The plan, made once per forward: every layer gets the same mask object and shapes."""
+    last = getattr(_last_plan, "value", None)
+    if last is not None and last[0] is attention_mask and last[1:3] == (t, n):
+        return last[3]
+    plan = _plan(attention_mask, t, n, device)
+    _last_plan.value = (attention_mask, t, n, plan)
+    return plan
+
+
+def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: query (B, Hq, T, D), key/value (B, Hkv, N, D) -> (B, T, Hq, D).
+    A batch (the decoding loop runs one sequence; tests score many) runs sequence by sequence,
+    each with its own mask."""
+    if query.shape[0] != 1:
+        outs = [invariant_attention(module, query[b:b + 1], key[b:b + 1], value[b:b + 1],
+                                    None if attention_mask is None else attention_mask[b:b + 1], dropout, scaling)[0]
+                for b in range(query.shape[0])]
+        return torch.cat(outs), None
+    t, n, d = query.shape[2], key.shape[2], query.shape[3]
+    scale = scaling if scaling is not None else d ** -0.5
+    if t == 1 and attention_mask is None:  # plain decoding: every cached key is visible
+        return _grouped_attention(query, key, value, scale, None), None
+    plan = _plan_for(attention_mask, t, n, query.device)
+    if plan.order is None:
+        outs = [_grouped_attention(query[:, :, lo:hi], key[:, :, :keys], value[:, :, :keys], scale, bias)
+                for lo, hi, keys, bias in plan.blocks]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+    # rows with holes: gather each row's keys into a contiguous row, one batch entry per row
+    keys = key[0][:, plan.order].transpose(0, 1)  # (T, Hkv, width, D)
+    values = value[0][:, plan.order].transpose(0, 1)
+    q = query[0].transpose(0, 1).unsqueeze(2)  # (T, Hq, 1, D)
+    out = _grouped_attention(q, keys, values, scale, plan.bias[:, None, :])  # (T, 1, Hq, D)
+    return out.reshape(1, t, query.shape[1], d), None
+
+
+AttentionInterface.register(ATTENTION_NAME, invariant_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean masks, None when causal
+
+
+class InvariantLinear(torch.nn.Linear):
+    """A linear layer whose single-row calls take the multi-row kernel, so a row's output does
+    not depend on how many rows share the call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
+
+
+@torch.inference_mode()
+def row_invariant(linear: torch.nn.Linear, rows: int = 64, seed: int = 0) -> bool:
+    """Does this linear give each row bitwise the same output alone as inside a call of many
+    rows (random inputs at the scale of its weights)?"""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.device, linear.weight.dtype)
+    together = linear(x)
+    return all(torch.equal(linear(x[i:i + 1])[0], together[i]) for i in range(rows))
+
+
+def make_invariant(model: torch.nn.Module) -> list[str]:
+    """Switch a loaded 16-bit model to batch-invariant attention and linears, in place.
+    Returns the names of the linears that needed the multi-row path."""
+    fixed = []
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and not row_invariant(module):
+            module.__class__ = InvariantLinear  # same parameters, another forward
+            fixed.append(name)
+    model.config._attn_implementation = ATTENTION_NAME
+    for sub in model.modules():  # submodules that hold their own config object
+        config = getattr(sub, "config", None)
+        if config is not None and config is not model.config and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION_NAME
+    return fixed
+
+
+@torch.inference_mode()
+def self_check(model: torch.nn.Module, context: int = 12, tokens: int = 5, seed: int = 0) -> bool:
+    """Are a `tokens`-token forward's logits bitwise those of the same tokens one at a time, after
+    a random context? (A load-time check; tests/test_invariant.py proves it more widely.)"""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, context + tokens), generator=gen).to(model.device)
+    together, alone = DynamicCache(), DynamicCache()
+    model(input_ids=ids[:, :context], cache=together, use_cache=True)
+    model(input_ids=ids[:, :context], cache=alone, use_cache=True)
+    block = model(input_ids=ids[:, context:], cache=together, use_cache=True).logits[0]
+    rows = [model(input_ids=ids[:, i:i + 1], cache=alone, use_cache=True).logits[0, 0] for i in range(context, context + tokens)]
+    return all(torch.equal(block[i], row) for i, row in enumerate(rows))

@@ -1,0 +1,87 @@
+"""The verify curve: what one target forward over T new tokens costs, as a multiple of one token.
+
+Speculative decoding rests on it. A step that verifies k drafts is one forward over T = k + 1
+tokens; if that costs about as much as a plain step (a flat curve: memory-bound, as on a GPU, or
+bfloat16 on a CPU with bfloat16 matrix instructions), every accepted draft is nearly free. Where
+the curve climbs (float32 on a small CPU: 5 tokens cost ~1.6x one), a drafter must emit that many
+more tokens per step just to break even. The predicted speedup uses the measured cost
+(engine.metrics.predicted_speedup's verify_cost) instead of assuming verification is free.
+
+Measured once per loaded model and process (about two seconds on the embedded model), after a
+fixed context; recorded in every trace (RunInfo.verify_ms). Evidence class: microbenchmark.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from engine.models import LoadedModel
+
+CURVE_TOKENS = tuple(range(1, 18))  # T = k + 1 for k = 0..16
+CONTEXT_TOKENS = 200  # cached tokens before each timed forward
+
+
+@dataclass(frozen=True)
+class VerifyCurve:
+    tokens: tuple[int, ...]  # T values, starting at 1
+    ms: tuple[float, ...]  # median milliseconds of one cached forward over T tokens
+
+    def ratio(self, t: int) -> float | None:
+        """Cost of a forward over t tokens / over one (None when t was not measured).
+
+        >>> VerifyCurve((1, 2, 5), (20.0, 21.0, 22.0)).ratio(5)
+        1.1
+        """
+        if t not in self.tokens:
+            return None
+        return self.ms[self.tokens.index(t)] / self.ms[0]
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(m / self.ms[0] for m in self.ms)
+
+
+@torch.inference_mode()
+def measure(target: LoadedModel, tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3,
+            context: int = CONTEXT_TOKENS, seed: int = 0) -> VerifyCurve:
+    """Median seconds of one cached forward over T random tokens after `context` random tokens,
+    all T positions' logits computed (as a verification needs), interleaved over T so drift in
+    the machine's state is shared; one untimed warm-up round."""
+    from transformers import DynamicCache
+
+    model = target.model
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    prompt = torch.randint(0, target.vocab_size, (1, context), generator=gen).to(target.device)
+    model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    inputs = {t: torch.randint(0, target.vocab_size, (1, t), generator=gen).to(target.device) for t in tokens}
+    times: dict[int, list[float]] = {t: [] for t in tokens}
+    for round_ in range(repeats + 1):
+        for t in tokens:
+            begin = time.perf_counter()
+            model(input_ids=inputs[t], cache=cache, use_cache=True)
+            if target.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if round_:
+                times[t].append(time.perf_counter() - begin)
+            cache.crop(-t)
+    return VerifyCurve(tuple(tokens), tuple(statistics.median(times[t]) * 1000 for t in tokens))
+
+
+_curves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def curve_for(target: LoadedModel) -> VerifyCurve:
+    """This process's measured curve for the loaded model (measured on first use)."""
+    with _lock:
+        curve = _curves.get(target.model)
+        if curve is None:
+            curve = _curves[target.model] = measure(target)
+        return curve

@@ -1,0 +1,201 @@
+"""Batch-invariant target forward (engine.invariant): a position's logits and KV entries are
+bitwise the same whether it is computed alone, inside a k+1-token verification, inside a tree
+verification with its ancestor mask, or inside a prefill chunk of any size. On a tiny model and
+on the embedded model, both in bfloat16 on this CPU."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine.decoding import DecodeConfig, generate
+from engine.drafters import DrafterSpec, build_drafter
+from engine.invariant import InvariantLinear, row_invariant, self_check
+from engine.models import choose_dtype, load_model
+from engine.mtp.tree import tree_inputs
+from engine.trace import Step
+
+
+def tokens_of(events):
+    return [t.token_id for e in events if isinstance(e, Step) for t in e.emitted]
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_target, one_thread):
+    return load_model(tiny_target, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def embedded_bf16():
+    return load_model("embedded", dtype="bfloat16")
+
+
+def _prefilled(model, ids: torch.Tensor, chunk: int) -> DynamicCache:
+    cache = DynamicCache()
+    for s in range(0, ids.shape[1], chunk):
+        model(input_ids=ids[:, s:s + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.inference_mode()
+def one_at_a_time(model, ids: torch.Tensor, context: int) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits (T, V) of positions context.. computed one token per forward (plain decoding)."""
+    cache = _prefilled(model, ids[:, :context], context)
+    rows = [model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0, 0] for i in range(context, ids.shape[1])]
+    return torch.stack(rows), cache
+
+
+@torch.inference_mode()
+def all_at_once(model, ids: torch.Tensor, context: int, chunk: int | None = None) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits (T, V) of positions context.. from forwards of `chunk` tokens (one forward: None)."""
+    cache = _prefilled(model, ids[:, :context], context)
+    chunk = chunk or ids.shape[1] - context
+    rows = [model(input_ids=ids[:, s:s + chunk], cache=cache, use_cache=True).logits[0]
+            for s in range(context, ids.shape[1], chunk)]
+    return torch.cat(rows), cache
+
+
+def assert_same_kv(a: DynamicCache, b: DynamicCache) -> None:
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def random_ids(vocab: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# --- the kernels ------------------------------------------------------------------------------
+
+def test_invariant_linear_sends_one_row_through_the_multi_row_kernel():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1536, 64, bias=False).to(torch.bfloat16)
+    x = torch.randn(9, 1536, dtype=torch.bfloat16)
+    fixed = InvariantLinear(1536, 64, bias=False, dtype=torch.bfloat16)
+    fixed.weight = linear.weight
+    assert row_invariant(fixed)
+    together = fixed(x)
+    assert all(torch.equal(fixed(x[i:i + 1])[0], together[i]) for i in range(9))
+    assert torch.equal(fixed(x[None, 2:3])[0, 0], together[2])  # (B, T, H) input, T = 1
+
+
+def test_auto_dtype_follows_the_cpu_and_a_forced_dtype_wins():
+    dtype, reason = choose_dtype("auto", "cpu")
+    assert dtype in (torch.bfloat16, torch.float32) and "auto" in reason
+    assert choose_dtype("float16", "cpu") == (torch.float16, "float16: asked for by the preset or the caller")
+    assert choose_dtype("auto", "cuda")[0] is torch.bfloat16
+
+
+def test_a_bfloat16_cpu_model_is_invariant_and_stock_kernels_are_marked(tiny_target, tiny_bf16):
+    assert tiny_bf16.batch_invariant and tiny_bf16.model.config._attn_implementation == "speclab_invariant"
+    stock = load_model(tiny_target, dtype="bfloat16", kernels="stock")
+    assert not stock.batch_invariant and "stock kernels" in stock.dtype_reason
+    assert stock.model is not tiny_bf16.model and stock.model.config._attn_implementation != "speclab_invariant"
+    assert not load_model(tiny_target, dtype="float32").batch_invariant
+
+
+# --- logits and KV bitwise, tiny model --------------------------------------------------------
+
+@pytest.mark.parametrize("context", [1, 5, 40])
+def test_tiny_verification_of_any_length_equals_plain_steps(tiny_bf16, context):
+    ids = random_ids(tiny_bf16.vocab_size, context + 17, seed=context)
+    alone, alone_kv = one_at_a_time(tiny_bf16.model, ids, context)
+    for t in range(2, 18):  # T = k + 1 for k = 1..16
+        together, together_kv = all_at_once(tiny_bf16.model, ids[:, :context + t], context)
+        assert torch.equal(together, alone[:t]), f"T = {t}"
+    assert_same_kv(together_kv, alone_kv)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64])
+def test_tiny_prefill_chunks_give_bitwise_the_same_cache(tiny_bf16, chunk):
+    ids = random_ids(tiny_bf16.vocab_size, 130, seed=7)
+    whole, whole_kv = all_at_once(tiny_bf16.model, ids, 1)
+    chunked, chunked_kv = all_at_once(tiny_bf16.model, ids, 1, chunk)
+    assert torch.equal(whole, chunked)
+    assert_same_kv(whole_kv, chunked_kv)
+
+
+@torch.inference_mode()
+def tree_matches_paths(target, context_ids: torch.Tensor, parents: tuple[int, ...], nodes: torch.Tensor) -> None:
+    """Verify a tree of drafts in one forward; every node's row must be bitwise the row plain
+    decoding of its path (root .. node) gives."""
+    model = target.model
+    cache = _prefilled(model, context_ids[:, :-1], context_ids.shape[1] - 1)
+    tree = tree_inputs(parents, cache.get_seq_length(), target.device, target.dtype)
+    ids = torch.cat([context_ids[:, -1:], nodes[None]], dim=1)
+    rows = model(input_ids=ids, cache=cache, use_cache=True, **tree).logits[0]
+    for i in range(len(parents)):
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, int(nodes[node]))
+            node = parents[node]
+        alone, _ = one_at_a_time(model, torch.cat([context_ids, torch.tensor([path])], dim=1), context_ids.shape[1] - 1)
+        assert torch.equal(rows[0], alone[0]) and torch.equal(rows[i + 1], alone[-1]), f"node {i}, path {path}"
+
+
+def test_tiny_tree_verification_equals_decoding_each_path(tiny_bf16):
+    parents = (-1, -1, 0, 0, 1, 2, 2, 5)  # two roots, branches, a depth-4 path
+    ids = random_ids(tiny_bf16.vocab_size, 30, seed=3)
+    tree_matches_paths(tiny_bf16, ids[:, :22], parents, ids[0, 22:30])
+
+
+# --- the embedded model in bfloat16 -----------------------------------------------------------
+
+COPY = (
+    "Fix the typos in this paragraph and return it unchanged otherwise:\n"
+    "The quick brown fox jumpd over the lazy dog. The dog was not amused, and the fox ran "
+    "away into the forrest, where it met an owl who asked it why it was running."
+)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("context", [9, 300, 1100])
+def test_embedded_verification_of_k_plus_1_tokens_equals_plain_steps(embedded_bf16, context):
+    assert embedded_bf16.batch_invariant and embedded_bf16.dtype is torch.bfloat16
+    ids = random_ids(embedded_bf16.vocab_size, context + 9, seed=context)
+    alone, alone_kv = one_at_a_time(embedded_bf16.model, ids, context)
+    for k in range(1, 9):
+        together, together_kv = all_at_once(embedded_bf16.model, ids[:, :context + k + 1], context)
+        assert torch.equal(together, alone[:k + 1]), f"k = {k}"
+    assert_same_kv(together_kv, alone_kv)
+
+
+@pytest.mark.embedded
+def test_the_load_time_check_passes_the_invariant_kernels_and_catches_stock_ones(embedded_bf16):
+    """Stock bfloat16 kernels on this CPU are not batch-invariant (the MLP down projection's
+    single-row kernel and SDPA reduce in another order): the check at load must see it, or an
+    automatic bfloat16 choice could not fall back to float32 where the fix does not hold."""
+    assert self_check(embedded_bf16.model)
+    stock = load_model("embedded", dtype="bfloat16", kernels="stock")
+    assert not self_check(stock.model)
+    assert not row_invariant(stock.model.model.layers[0].mlp.down_proj)
+
+
+@pytest.mark.embedded
+def test_embedded_tree_verification_equals_decoding_each_path(embedded_bf16):
+    ids = torch.tensor([embedded_bf16.encode(COPY)])
+    parents = (-1, -1, 0, 0, 2, 4)
+    tree_matches_paths(embedded_bf16, ids[:, :-6], parents, ids[0, -6:])
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("chunk", [1, 7, 64, 256])
+def test_embedded_prefill_chunks_give_bitwise_the_same_logits_and_cache(embedded_bf16, chunk):
+    ids = random_ids(embedded_bf16.vocab_size, 520 if chunk > 1 else 90, seed=11)
+    whole, whole_kv = all_at_once(embedded_bf16.model, ids, 1)
+    chunked, chunked_kv = all_at_once(embedded_bf16.model, ids, 1, chunk)
+    assert torch.equal(whole, chunked)
+    assert_same_kv(whole_kv, chunked_kv)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("method", ["prompt-lookup", "early-exit", "draft-model", "mtp", "mtp:small"])
+def test_embedded_bfloat16_speculative_greedy_is_plain_greedy(embedded_bf16, method):
+    """The point of invariance: in the fast dtype, every method's greedy output is the plain one."""
+    name, _, tree = method.partition(":")
+    plain_ids = None
+    for prompt in (COPY, "Explain in two sentences why the sky is blue."):
+        ids = embedded_bf16.encode(prompt)
+        plain_ids = tokens_of(generate(embedded_bf16, ids, DecodeConfig(max_new_tokens=40)))
+        drafter = build_drafter(embedded_bf16, DrafterSpec(name, exit_layer=8, tree=tree or None))
+        events = list(generate(embedded_bf16, ids, DecodeConfig(max_new_tokens=40, k=4, prefill_chunk=16), drafter))
+        assert tokens_of(events) == plain_ids, f"{method} on {prompt[:20]!r}"
+    assert plain_ids
