@@ -1,14 +1,18 @@
-"""Where a plain decoding step's time goes, and how far it is from the memory-bandwidth floor.
+"""Where a decoding step's time goes, and what bounds speculation on this machine.
 
 `python -m engine profile` times the real loop (engine.decoding.generate) and splits a step
-with cProfile into the model forward, sampling (the shared transform and the acceptance rule),
-record keeping (top-5 alternatives, token text) and the rest (the loop's own Python).
-It then measures this machine's memory read bandwidth and compares the step with the time
-needed just to read the weights once (a decode step reads every weight: the floor), and two
-things that explain the distance and bound speculative decoding here:
-- the verify curve: one cached forward over T tokens (T = 1 is a plain step, T = k + 1 verifies
-  k drafts) as a multiple of T = 1. Speculation pays only where verifying k + 1 tokens costs
-  little more than one; on a small CPU it does not come free.
+with cProfile into the calls the loop makes: for a plain step the model forward, sampling, record
+keeping (top-5 alternatives, token text) and the rest (the loop's own Python); for a speculative
+step (prompt lookup by default) draft, verify forward, acceptance, KV rollback, records and loop,
+so the engine's own share of a step is visible. It then measures this machine's memory read
+bandwidth and compares the step with the time needed just to read the weights once (a decode
+step reads every weight: the floor), and the things that explain the distance and bound
+speculative decoding here:
+- the verify curves (engine.verify_curve): one cached forward over T tokens (T = 1 is a plain
+  step, T = k + 1 verifies k drafts) as a multiple of T = 1, per dtype. Speculation pays only
+  where verifying k + 1 tokens costs little more than one.
+- one attention layer of the model's shapes over 1K-8K cached keys: the batch-invariant
+  attention (engine.invariant) against transformers' SDPA, in 16-bit.
 - the matrix-vector kernel: the LM head's weights times one hidden state, in the model's dtype
   and in 16-bit copies, as effective read bandwidth (what the kernel reaches of the floor's).
 Evidence class: microbenchmark.
@@ -28,7 +32,9 @@ import torch
 
 from engine import decoding
 from engine.decoding import DecodeConfig
+from engine.drafters import DrafterSpec, build_drafter
 from engine.models import LoadedModel, load_model
+from engine.verify_curve import measure
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -58,64 +64,89 @@ def _timed(fn) -> float:
     return time.perf_counter() - begin
 
 
-PARTS = {  # engine.decoding functions -> the part of a step they are
-    "verify": "forward",
-    "probs_from_logits": "sampling",
-    "accept": "sampling",
-    "_emitted": "record keeping",
+PARTS = {  # what generate() calls directly -> the part of a step it is
+    "propose": "draft", "within": "draft", "observe": "draft",
+    "verify": "verify forward",
+    "probs_from_logits": "acceptance", "one_hot_probs": "acceptance", "accept": "acceptance",
+    "greedy_accept_tree": "acceptance", "residual_distribution": "acceptance",
+    "rollback": "KV rollback",
+    "_emitted": "records", "_top": "records", "_head_top": "records", "_truncate": "records",
 }
+STEP_PARTS = ("draft", "verify forward", "acceptance", "KV rollback", "records", "loop python")
+ENGINE_PARTS = ("acceptance", "KV rollback", "records", "loop python")  # the engine's own work
+
+
+def _callee_seconds(stats: dict) -> tuple[dict[str, float], float]:
+    """Seconds generate() spent in each part (its direct callees, by PARTS), and its total
+    minus the prefill."""
+    gen = next(key for key in stats if key[0] == decoding.__file__ and key[2] == "generate")
+    totals: dict[str, float] = defaultdict(float)
+    for (filename, _, name), (_, _, _, _, callers) in stats.items():
+        if gen in callers:
+            part = PARTS.get(name, "records" if filename.endswith("trace.py") else "prefill" if name == "prefill" else None)
+            if part:
+                totals[part] += callers[gen][3]  # cumulative time of the calls made from generate
+    return totals, stats[gen][3] - totals.pop("prefill", 0.0)
+
+
+def profile_steps(target: LoadedModel, prompt: str, cfg: DecodeConfig, repeats: int,
+                  spec: DrafterSpec | None = None) -> dict[str, float]:
+    """Median seconds per decoding step: the step timed plainly (no profiler), and its parts
+    (STEP_PARTS) as cProfile's shares of the profiled decode applied to that step."""
+    ids = target.encode(prompt)
+
+    def run():
+        drafter = build_drafter(target, spec) if spec else None
+        return [e for e in decoding.generate(target, ids, cfg, drafter) if isinstance(e, decoding.Step)]
+
+    run()  # warm-up
+    per_run = []
+    for _ in range(repeats):
+        steps = run()
+        out = {"step": (steps[-1].end_s - steps[0].end_s) / (len(steps) - 1),
+               "tokens_per_step": sum(len(s.emitted) for s in steps[1:]) / (len(steps) - 1)}
+        profiler = cProfile.Profile()
+        profiler.runcall(run)
+        parts, decode_total = _callee_seconds(pstats.Stats(profiler).stats)
+        for part in STEP_PARTS[:-1]:
+            out[part] = out["step"] * parts.get(part, 0.0) / decode_total
+        out["loop python"] = out["step"] - sum(out[p] for p in STEP_PARTS[:-1])
+        per_run.append(out)
+    return {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
 
 
 def profile_plain(target: LoadedModel, tokens: int, repeats: int) -> dict:
-    """Median per-decode-step seconds: the whole step timed plainly, and its parts from
-    cProfile's cumulative times of the loop's own functions."""
-    ids = target.encode(PROMPT)
-    cfg = DecodeConfig(max_new_tokens=tokens, ignore_eos=True)
-    list(decoding.generate(target, ids, cfg))  # warm-up
-    per_run = []
-    for _ in range(repeats):
-        steps = [e for e in decoding.generate(target, ids, cfg) if isinstance(e, decoding.Step)]
-        n = len(steps) - 1
-        run = {"step": (steps[-1].end_s - steps[0].end_s) / n}
-        profiler = cProfile.Profile()
-        profiler.runcall(lambda: list(decoding.generate(target, ids, cfg)))
-        stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
-        totals: dict[str, float] = defaultdict(float)
-        for (filename, _, name), (_, _, _, cumulative, _) in stats.items():
-            if filename == decoding.__file__:
-                totals[PARTS.get(name, name)] += cumulative
-        profiled_total = totals.pop("generate") - totals.pop("prefill")  # the decode steps only
-        # parts as shares of the profiled decode, applied to the plainly timed step
-        for part, t in totals.items():
-            run[part] = run["step"] * t / profiled_total
-        per_run.append(run)
-    return {part: statistics.median(r[part] for r in per_run) for part in ("step", *set(PARTS.values()))}
+    """A plain step's parts, named as the plain loop knows them."""
+    parts = profile_steps(target, PROMPT, DecodeConfig(max_new_tokens=tokens, ignore_eos=True), repeats)
+    return {"step": parts["step"], "forward": parts["verify forward"], "sampling": parts["acceptance"],
+            "record keeping": parts["records"], "loop python": parts["loop python"] + parts["KV rollback"] + parts["draft"]}
+
+
+SPEC_PROMPT = ("Repeat this paragraph exactly: The lighthouse keeper climbed the stairs every evening, "
+               "trimmed the wick, polished the lens and wrote the weather in a small blue book.")
+
+
+def profile_speculative(target: LoadedModel, method: str, k: int, tokens: int, repeats: int) -> dict:
+    """A speculative step's parts (greedy, k drafts), and the engine's own share of it."""
+    cfg = DecodeConfig(max_new_tokens=tokens, k=k, ignore_eos=True)
+    parts = profile_steps(target, SPEC_PROMPT, cfg, repeats, DrafterSpec(method=method))
+    parts["engine share"] = sum(parts[p] for p in ENGINE_PARTS) / parts["step"]
+    return parts
 
 
 VERIFY_TOKENS = (1, 2, 3, 5, 9, 17)  # T = k + 1 for k = 0, 1, 2, 4, 8, 16
+CURVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-@torch.inference_mode()
-def verify_curve(target: LoadedModel, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one cached forward over T new tokens (all T positions' logits, as a
-    verification needs) after the profiling prompt, for each T in VERIFY_TOKENS."""
-    from transformers import DynamicCache
-
-    model = target.model
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([target.encode(PROMPT)], device=target.device), cache=cache, use_cache=True,
-          logits_to_keep=1)
-    gen = torch.Generator().manual_seed(0)
+def verify_curves(model: str, dtypes: tuple[str, ...], repeats: int = 5) -> dict[str, dict]:
+    """The verify curve of the model loaded in each dtype (engine.verify_curve.measure)."""
     out = {}
-    for n in VERIFY_TOKENS:
-        ids = torch.randint(0, target.vocab_size, (1, n), generator=gen).to(target.device)
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            begin = time.perf_counter()
-            model(input_ids=ids, cache=cache, use_cache=True)
-            times.append(time.perf_counter() - begin)
-            cache.crop(-n)
-        out[n] = statistics.median(times[1:])
+    for dtype in dtypes:
+        target = load_model(model, dtype=dtype)
+        curve = measure(target, VERIFY_TOKENS, repeats=repeats)
+        out[dtype] = {"forward_ms": dict(zip(map(str, curve.tokens), curve.ms)),
+                      "over_single": dict(zip(map(str, curve.tokens), curve.ratios)),
+                      "batch_invariant": target.batch_invariant}
     return out
 
 
@@ -125,7 +156,7 @@ def matvec_kernels(target: LoadedModel, repeats: int = 20) -> dict[str, dict]:
     model's dtype and in float16 / bfloat16 copies (what a 16-bit model would read)."""
     weight = target.model.get_output_embeddings().weight.detach()
     out = {}
-    for dtype in dict.fromkeys([weight.dtype, torch.float16, torch.bfloat16]):
+    for dtype in dict.fromkeys([weight.dtype, torch.float32, torch.float16, torch.bfloat16]):
         w = weight.to(dtype)
         x = torch.randn(1, w.shape[1], dtype=dtype, device=w.device)
         torch.nn.functional.linear(x, w)
@@ -134,57 +165,115 @@ def matvec_kernels(target: LoadedModel, repeats: int = 20) -> dict[str, dict]:
     return out
 
 
-def report(model: str, tokens: int, repeats: int, dtype: str = "auto") -> dict:
+ATTENTION_KEYS = (1024, 4096, 8192)
+ATTENTION_QUERIES = (1, 5)  # a plain step, and k + 1 for k = 4
+
+
+@torch.inference_mode()
+def attention_microbench(target: LoadedModel, keys: tuple[int, ...] = ATTENTION_KEYS,
+                         queries: tuple[int, ...] = ATTENTION_QUERIES, repeats: int = 10) -> list[dict]:
+    """One attention layer of the model's shapes: T queries over N cached keys (causal, the
+    queries last), the batch-invariant attention vs transformers' SDPA, median ms each."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.invariant import invariant_attention
+
+    module = next(m for m in target.model.modules() if hasattr(m, "num_key_value_groups"))
+    config = target.model.config
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // hq
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in keys:
+        k, v = (torch.randn(1, hkv, n, d, generator=gen).to(target.device, target.dtype) for _ in range(2))
+        for t in queries:
+            q = torch.randn(1, hq, t, d, generator=gen).to(target.device, target.dtype)
+            mask = None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=target.device).tril(n - t)[None, None]
+            row = {"keys": n, "queries": t}
+            for name, fn in (("invariant_ms", invariant_attention), ("sdpa_ms", sdpa_attention_forward)):
+                fn(module, q, k, v, mask, scaling=d ** -0.5)
+                row[name] = 1000 * statistics.median(
+                    _timed(lambda: fn(module, q, k, v, mask, scaling=d ** -0.5)) for _ in range(repeats))
+            rows.append(row)
+    return rows
+
+
+def report(model: str, tokens: int, repeats: int, dtype: str = "auto", method: str = "prompt-lookup",
+           k: int = 4, curve_dtypes: tuple[str, ...] = CURVE_DTYPES) -> dict:
     target = load_model(model, dtype=dtype)
     parts = profile_plain(target, tokens, repeats)
-    parts["loop python"] = parts["step"] - parts["forward"] - parts["sampling"] - parts["record keeping"]
+    speculative = profile_speculative(target, method, k, tokens, repeats)
     nbytes = weight_bytes(target.model)
     bandwidth = read_bandwidth()
     floor = nbytes / bandwidth
-    curve = verify_curve(target)
+    curve = measure(target, VERIFY_TOKENS, repeats=5)
     return {
         "evidence": "microbenchmark",
         "model": model,
         "device": target.device,
         "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype_reason": target.dtype_reason,
+        "batch_invariant": target.batch_invariant,
         "threads": torch.get_num_threads(),
         "decode_tokens": tokens,
         "repeats": repeats,
         "per_step_ms": {k: v * 1000 for k, v in parts.items()},
+        "speculative_step": {"method": method, "k": k, "tokens_per_step": speculative.pop("tokens_per_step"),
+                             "engine_share": speculative.pop("engine share"),
+                             "ms": {k: v * 1000 for k, v in speculative.items()}},
         "weight_bytes": nbytes,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "floor_ms": floor * 1000,
         "step_over_floor": parts["step"] / floor,
-        "verify_forward_ms": {str(n): t * 1000 for n, t in curve.items()},
-        "verify_over_single": {str(n): t / curve[1] for n, t in curve.items()},
+        "verify_forward_ms": dict(zip(map(str, curve.tokens), curve.ms)),
+        "verify_over_single": dict(zip(map(str, curve.tokens), curve.ratios)),
+        "verify_curves": verify_curves(model, curve_dtypes),
+        "attention": attention_microbench(target) if target.dtype != torch.float32 else [],
         "lm_head_matvec": matvec_kernels(target),
     }
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    result = report(args.model, args.tokens, args.repeats, args.dtype)
+    dtypes = tuple(d.strip() for d in args.curve_dtypes.split(",") if d.strip())
+    result = report(args.model, args.tokens, args.repeats, args.dtype, args.method, args.k, dtypes)
     if args.json:
         print(json.dumps(result))
         return 0
     ms = result["per_step_ms"]
     print(f"plain decoding step on {result['model']} ({result['device']}, {result['dtype']}, "
           f"{result['threads']} threads), median of {result['repeats']} runs x {result['decode_tokens']} tokens:")
+    print(f"  dtype: {result['dtype_reason']}; batch-invariant: {'yes' if result['batch_invariant'] else 'no'}")
     for part in ("step", "forward", "sampling", "record keeping", "loop python"):
         print(f"  {part:15s} {ms[part]:8.2f} ms  ({ms[part] / ms['step']:.1%})")
+    spec = result["speculative_step"]
+    print(f"speculative step ({spec['method']}, k = {spec['k']}, {spec['tokens_per_step']:.2f} tokens/step):")
+    for part in ("step", *STEP_PARTS):
+        print(f"  {part:15s} {spec['ms'][part]:8.2f} ms  ({spec['ms'][part] / spec['ms']['step']:.1%})")
+    print(f"  the engine's own work (acceptance, KV rollback, records, loop): {spec['engine_share']:.1%} of the step")
     print(f"weights {result['weight_bytes'] / 1e6:.0f} MB, read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s "
           f"-> floor {result['floor_ms']:.1f} ms/step; the step is {result['step_over_floor']:.2f}x the floor")
-    curve = ", ".join(f"{n}: {r:.2f}x" for n, r in result["verify_over_single"].items())
-    print(f"one forward over T tokens / over 1 token (T = k + 1 verifies k drafts): {curve}")
+    print("one forward over T tokens / over 1 token (T = k + 1 verifies k drafts):")
+    for dtype, c in result["verify_curves"].items():
+        curve = ", ".join(f"{n}: {r:.2f}x" for n, r in c["over_single"].items())
+        invariant = " (batch-invariant)" if c["batch_invariant"] else ""
+        print(f"  {dtype:9s} T = 1 {c['forward_ms']['1']:.1f} ms; {curve}{invariant}")
+    if result["attention"]:
+        print(f"one attention layer, T queries over N keys ({result['dtype']}): batch-invariant vs SDPA")
+        for row in result["attention"]:
+            print(f"  T = {row['queries']:2d}, N = {row['keys']:5d}: {row['invariant_ms']:.3f} ms vs {row['sdpa_ms']:.3f} ms")
     kernels = ", ".join(f"{d} {k['ms']:.2f} ms ({k['gb_s']:.1f} GB/s)" for d, k in result["lm_head_matvec"].items())
     print(f"LM head matrix x one hidden state: {kernels}")
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("profile", help="where a plain decoding step's time goes (microbenchmark)")
+    p = sub.add_parser("profile", help="where a decoding step's time goes, the verify curves (microbenchmark)")
     p.add_argument("--model", default="embedded")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the preset's)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--method", default="prompt-lookup", help="drafter of the speculative step's breakdown")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--curve-dtypes", default=",".join(CURVE_DTYPES), help="dtypes whose verify curve is measured")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profile)

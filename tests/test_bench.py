@@ -167,6 +167,17 @@ def test_greedy_gate_passes_exact_methods(tiny_target, tiny_draft, sets, capsys,
     assert all(p["divergence"] is None and p["compared_tokens"] == 10 for p in result["prompts"])
 
 
+@pytest.mark.parametrize("method", ["baseline", "prompt-lookup"])
+def test_greedy_gate_checks_chunked_prefill_against_one_forward(tiny_target, sets, capsys, method):
+    code, result = gate(capsys, tiny_target, "--method", method, "--prefill-chunk", "2",
+                        "--prompts", sets / "tiny.yaml", "--k", "3", "--max-new-tokens", "10")
+    assert code == 0 and result["passed"] and result["prefill_chunk"] == 2
+    assert all(p["divergence"] is None and p["compared_tokens"] == 10 for p in result["prompts"])
+    code, out, _ = engine(capsys, "gate", "--model", tiny_target, "--method", method, "--prefill-chunk", "2",
+                          "--prompts", sets / "tiny.yaml", "--max-new-tokens", "4")
+    assert code == 0 and "prefill chunk 2 (baseline: one forward)" in out
+
+
 def test_greedy_gate_reports_the_first_divergence_of_the_lossy_rule(tiny_target, sets, capsys):
     code, result = gate(capsys, tiny_target, "--method", "prompt-lookup", "--accept", "typical",
                         "--prompts", sets / "tiny.yaml", "--k", "3", "--max-new-tokens", "10")

@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     g.add_argument("--accept", choices=[r.value for r in AcceptRule], default=AcceptRule.EXACT.value,
                    help="acceptance rule: exact (default) or typical (LOSSY: the gate must fail it)")
     _add_common(g, max_new_tokens=16)
+    g.add_argument("--prefill-chunk", type=int, default=0,
+                   help="the method prefills in chunks of N tokens (the baseline in one forward); "
+                        "with --method baseline this checks chunked prefill alone")
     g.add_argument("--samples", type=int, default=200, help="sampling: runs per side and prompt")
     g.add_argument("--alpha", type=float, default=0.01, help="sampling: false-alarm rate of the test")
     g.add_argument("--permutations", type=int, default=1000, help="sampling: relabellings for the threshold")
@@ -118,7 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, k=args.k, sampling=sampling_from_args(args),
-                          rule=AcceptRule(args.accept), ignore_eos=True)
+                          rule=AcceptRule(args.accept), ignore_eos=True, prefill_chunk=args.prefill_chunk)
     cfg = GateConfig(model=args.model, method=args.method, prompts=load_prompts(args.prompts, args.limit),
                      decode=decode, options=_options(args), samples=args.samples, alpha=args.alpha,
                      permutations=args.permutations)
@@ -133,8 +136,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def gate_text(result: GateResult) -> str:
     lossy = " [LOSSY acceptance rule]" if result.lossy else ""
+    chunk = f", prefill chunk {result.prefill_chunk} (baseline: one forward)" if result.prefill_chunk else ""
     lines = [f"gate: {result.method} vs baseline, {result.mode}, accept {result.accept}{lossy}, k {result.k}, "
-             f"temperature {result.temperature}, {result.max_new_tokens} tokens, {result.model} on {result.device}"]
+             f"temperature {result.temperature}, {result.max_new_tokens} tokens{chunk}, {result.model} on "
+             f"{result.device} {result.dtype}"]
     for p in result.prompts:
         verdict = "pass" if p.passed else "FAIL"
         if result.mode == "greedy":

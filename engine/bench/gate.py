@@ -1,6 +1,9 @@
 """The quality gate: does a method change what the target model would have written?
 
-It runs the baseline (plain decoding, exact rule) and the method on an evaluation set.
+It runs the baseline (plain decoding, exact rule, the prompt prefilled in one forward) and the
+method on an evaluation set. The method's decode config may prefill in chunks (prefill_chunk):
+then the gate also checks that chunked prefill changes nothing, and the method may be
+"baseline" itself (plain decoding with chunked prefill against plain decoding without).
 
 Greedy (temperature 0): every output must be token-for-token the baseline's. At the first
 divergence it reports the position, both tokens (ids and text) and the target's logit gap
@@ -69,8 +72,9 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         check_registered(self.method)
-        if self.method == BASELINE:
-            raise InputError("the gate compares a method with the baseline: choose a drafter method")
+        if self.method == BASELINE and not self.decode.prefill_chunk:
+            raise InputError("the gate compares a method with the baseline: choose a drafter method "
+                             "(or a prefill chunk, to check chunked prefill)")
         if not self.prompts:
             raise InputError("the gate has no prompts")
         if not isinstance(self.samples, int) or not 10 <= self.samples <= MAX_SAMPLES:
@@ -141,6 +145,7 @@ class GateResult:
     top_p: float
     seed: int
     max_new_tokens: int
+    prefill_chunk: int  # the method's prefill chunk (0: one forward, as the baseline always)
     samples: int | None  # sampling only
     alpha: float | None
     permutations: int | None
@@ -151,15 +156,18 @@ class GateResult:
     schema: str = SCHEMA
 
 
-def _request(cfg: GateConfig, prompt: Prompt, method: str, seed: int) -> RunRequest:
+def _request(cfg: GateConfig, prompt: Prompt, method: str, seed: int, reference: bool = False) -> RunRequest:
     rule = AcceptRule.EXACT if method == BASELINE else cfg.decode.rule  # the baseline is plain decoding
     decode = replace(cfg.decode, rule=rule, ignore_eos=True, sampling=replace(cfg.decode.sampling, seed=seed))
+    if reference:  # the reference side: plain decoding, the prompt in one forward
+        decode = replace(decode, rule=AcceptRule.EXACT, prefill_chunk=0)
     return RunRequest(prompt=prompt.text, model=cfg.model, raw=prompt.raw, decode=decode,
                       drafter=cfg.options.spec(method))
 
 
-def _output(cfg: GateConfig, prompt: Prompt, method: str, seed: int) -> tuple[list[int], list[int]]:
-    trace = run(_request(cfg, prompt, method, seed))
+def _output(cfg: GateConfig, prompt: Prompt, method: str, seed: int,
+            reference: bool = False) -> tuple[list[int], list[int]]:
+    trace = run(_request(cfg, prompt, method, seed, reference))
     return list(trace.info.prompt_token_ids), trace.output_token_ids
 
 
@@ -180,7 +188,7 @@ def divergence(target: LoadedModel, prompt_ids: list[int], base: list[int], othe
 
 
 def _greedy_verdict(cfg: GateConfig, target: LoadedModel, prompt: Prompt) -> PromptVerdict:
-    prompt_ids, base = _output(cfg, prompt, BASELINE, cfg.decode.sampling.seed)
+    prompt_ids, base = _output(cfg, prompt, BASELINE, cfg.decode.sampling.seed, reference=True)
     _, other = _output(cfg, prompt, cfg.method, cfg.decode.sampling.seed)
     div = divergence(target, prompt_ids, base, other)
     return PromptVerdict(prompt.key, len(prompt_ids), div is None, min(len(base), len(other)), divergence=div)
@@ -247,10 +255,11 @@ def _differences(target: LoadedModel, a: np.ndarray, b: np.ndarray) -> tuple[Dif
                  for t in keys[:TOP_DIFFERENCES])
 
 
-def _samples(cfg: GateConfig, prompt: Prompt, method: str, first_seed: int, tick: Callable[[], None]):
+def _samples(cfg: GateConfig, prompt: Prompt, method: str, first_seed: int, tick: Callable[[], None],
+             reference: bool = False):
     rows = []
     for i in range(cfg.samples):
-        prompt_ids, out = _output(cfg, prompt, method, first_seed + i)
+        prompt_ids, out = _output(cfg, prompt, method, first_seed + i, reference)
         rows.append(out)
         tick()
     return prompt_ids, np.array(rows)  # (samples, max_new_tokens)
@@ -275,7 +284,7 @@ def run_gate(cfg: GateConfig, tick: Callable[[], None] = lambda: None) -> GateRe
     else:
         pairs, lengths = [], []
         for prompt in cfg.prompts:
-            prompt_ids, a = _samples(cfg, prompt, BASELINE, s.seed, tick)
+            prompt_ids, a = _samples(cfg, prompt, BASELINE, s.seed, tick, reference=True)
             _, b = _samples(cfg, prompt, cfg.method, s.seed + cfg.samples, tick)
             pairs.append((a, b))
             lengths.append(len(prompt_ids))
@@ -294,5 +303,6 @@ def run_gate(cfg: GateConfig, tick: Callable[[], None] = lambda: None) -> GateRe
         passed=passed, mode="greedy" if cfg.greedy else "sampling", method=cfg.method, accept=cfg.decode.rule.value,
         lossy=cfg.decode.rule is not AcceptRule.EXACT, model=cfg.model, device=target.device,
         dtype=str(target.dtype).removeprefix("torch."), k=cfg.decode.k, temperature=s.temperature, top_k=s.top_k,
-        top_p=s.top_p, seed=s.seed, max_new_tokens=cfg.decode.max_new_tokens, prompts=tuple(verdicts), **stats,
+        top_p=s.top_p, seed=s.seed, max_new_tokens=cfg.decode.max_new_tokens, prefill_chunk=cfg.decode.prefill_chunk,
+        prompts=tuple(verdicts), **stats,
     )

@@ -1,6 +1,7 @@
 """transformers' own generate() on the same model and prompts, for the engine-vs-transformers
 comparison: plain, assistant_model= (the same draft model), prompt_lookup_num_tokens= and
-assistant_early_exit=.
+assistant_early_exit=, each with transformers' own kernels (SDPA attention, plain linears: the
+model as a transformers user loads it), in the preset's dtype or a dtype an engine variant sets.
 
 Each variant is configured like its engine counterpart: the same k (constant, no adaptive
 schedule and no confidence cut-off, as the engine drafts exactly k), the same n-gram size for
@@ -17,7 +18,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from engine.bench.methods import BASELINE, DrafterOptions
+from engine.bench.methods import BASELINE, DrafterOptions, base_name, target_settings
 from engine.decoding import DecodeConfig
 from engine.models import LoadedModel, load_model, resolve_draft
 
@@ -26,6 +27,7 @@ from engine.models import LoadedModel, load_model, resolve_draft
 class HFMethod:
     name: str  # how the row is labelled: "transformers" or "transformers:<argument>"
     engine_method: str  # the engine method it is compared with
+    dtype: str = "auto"  # the target's dtype (the preset's unless the engine method sets one)
 
 
 HF_METHODS = (
@@ -37,8 +39,18 @@ HF_METHODS = (
 
 
 def hf_methods_for(methods: tuple[str, ...]) -> tuple[HFMethod, ...]:
-    """The transformers counterparts of the engine methods being benchmarked."""
-    return tuple(m for m in HF_METHODS if m.engine_method in methods)  # variants ("mtp:tree=...") have none
+    """The transformers counterparts of the engine methods being benchmarked: plain generate()
+    also in each dtype a "baseline:dtype=..." method runs in; other variants have none.
+
+    >>> [m.name for m in hf_methods_for(("baseline", "baseline:dtype=float32", "mtp"))]
+    ['transformers', 'transformers:dtype=float32']
+    """
+    out = [m for m in HF_METHODS if m.engine_method in methods]
+    for method in methods:
+        dtype = target_settings(method).get("dtype")
+        if base_name(method) == BASELINE and dtype and "kernels" not in method:
+            out.append(HFMethod(f"transformers:dtype={dtype}", method, dtype))
+    return tuple(out)
 
 
 def exit_layers(target: LoadedModel, options: DrafterOptions) -> int:

@@ -4,7 +4,10 @@ A method is "baseline" (plain decoding) or a registered drafter's name, optional
 variant setting after a colon, so variants of a drafter run side by side in one run:
 "mtp:tree=small" (MTP tree drafting with that shape; plain "mtp" follows --tree) and
 "draft-model:vocab=full" / "mtp:vocab=full" (score every token instead of the shipped drafting
-vocabulary). Methods are checked before any timing starts: an unregistered drafter, an unknown
+vocabulary). Two variants apply to every method and change the target, not the drafter:
+"baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
+"baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
+batch-invariant ones, engine.invariant). Methods are checked before any timing starts: an unregistered drafter, an unknown
 variant or an unavailable draft model is one clear line naming the method, never a failure
 halfway through a run.
 """
@@ -41,6 +44,22 @@ class DrafterOptions:
 
 
 VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp")}  # setting -> the drafters that read it
+TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
+
+
+def _variant(method: str) -> tuple[str, str, str]:
+    """(drafter name, variant key, value); key and value are empty without a variant."""
+    name, _, variant = method.partition(":")
+    if not variant:
+        return name, "", ""
+    key, _, value = variant.partition("=")
+    if key in TARGET_VARIANTS and value in TARGET_VARIANTS[key]:
+        return name, key, value
+    if key not in VARIANTS or not value or name not in VARIANTS[key]:
+        settings = "; ".join([f"{k}= for {', '.join(v)}" for k, v in VARIANTS.items()]
+                             + [f"{k}={'|'.join(v)} for any method" for k, v in TARGET_VARIANTS.items()])
+        raise InputError(f"method {method!r}: unknown variant {variant!r} (variants: {settings})")
+    return name, key, value
 
 
 def split_method(method: str) -> tuple[str, dict[str, str | None]]:
@@ -48,19 +67,25 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
 
     >>> split_method("mtp:tree=small"), split_method("mtp:tree=chain"), split_method("prompt-lookup")
     (('mtp', {'tree': 'small'}), ('mtp', {'tree': None}), ('prompt-lookup', {}))
-    >>> split_method("draft-model:vocab=full")
-    ('draft-model', {'draft_vocab': 'full'})
+    >>> split_method("draft-model:vocab=full"), split_method("baseline:dtype=float32")
+    (('draft-model', {'draft_vocab': 'full'}), ('baseline', {}))
     """
-    name, _, variant = method.partition(":")
-    if not variant:
-        return name, {}
-    key, _, value = variant.partition("=")
-    if key not in VARIANTS or not value or name not in VARIANTS[key]:
-        settings = "; ".join(f"{k}= for {', '.join(v)}" for k, v in VARIANTS.items())
-        raise InputError(f"method {method!r}: unknown variant {variant!r} (variants: {settings})")
+    name, key, value = _variant(method)
     if key == "tree":
         return name, {"tree": None if value == "chain" else value}
-    return name, {"draft_vocab": check_choice(value)}
+    if key == "vocab":
+        return name, {"draft_vocab": check_choice(value)}
+    return name, {}
+
+
+def target_settings(method: str) -> dict[str, str]:
+    """The method's target variant as load_model arguments (dtype, kernels).
+
+    >>> target_settings("baseline:dtype=float32"), target_settings("mtp:kernels=stock"), target_settings("mtp")
+    ({'dtype': 'float32'}, {'kernels': 'stock'}, {})
+    """
+    _, key, value = _variant(method)
+    return {key: value} if key in TARGET_VARIANTS else {}
 
 
 def base_name(method: str) -> str:

@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from engine.bench.hf import hf_methods_for
-from engine.bench.methods import BASELINE
+from engine.bench.methods import BASELINE, target_settings
 from engine.bench.runner import BenchConfig, BenchRun, RunRecord
 from engine.metrics import itl_per_step_s, summary
 from engine.models import LoadedModel
@@ -34,7 +34,8 @@ from engine.models import LoadedModel
 SCHEMA = "speclab.bench/1"
 EVIDENCE = "controlled benchmark"
 ACCEPTANCE_KEYS = ("drafted_tokens", "accepted_tokens", "draft_acceptance_rate", "per_token_acceptance",
-                   "mean_acceptance_length", "per_position_acceptance", "cost_ratio", "predicted_speedup")
+                   "mean_acceptance_length", "per_position_acceptance", "cost_ratio", "predicted_speedup",
+                   "verify_cost", "predicted_speedup_measured_verify")
 
 
 def machine_state(target: LoadedModel) -> dict:
@@ -61,6 +62,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _identical(records: list[RunRecord], baseline: dict[str, tuple[int, ...]], greedy: bool) -> bool | None:
+    """None when sampling, or when the method's target runs in another dtype than the baseline's
+    (a "dtype=..." variant: other arithmetic, so other text is expected)."""
     if not greedy:
         return None
     return all(r.output_token_ids == baseline[r.prompt] for r in records)
@@ -68,13 +71,16 @@ def _identical(records: list[RunRecord], baseline: dict[str, tuple[int, ...]], g
 
 def _acceptance(records: list[RunRecord], baseline_step_s: float | None) -> dict:
     steps = [s for r in records if r.trace for s in r.trace.steps]
-    metrics = summary(steps, (), baseline_step_s)
+    curve = next((r.trace.info.verify_ms for r in records if r.trace), ())  # measured once per loaded model
+    metrics = summary(steps, (), baseline_step_s, curve)
     return {k: metrics[k] for k in ACCEPTANCE_KEYS}
 
 
 def method_row(method: str, implementation: str, records: list[RunRecord], prompts: list[str],
                base_tps: dict[str, float | None], base_outputs: dict[str, tuple[int, ...]],
                baseline_step_s: float | None, greedy: bool) -> dict:
+    """greedy: outputs are compared with the baseline's (not for a method whose target runs in
+    another dtype than the baseline's: other arithmetic, other text)."""
     mine = [r for r in records if r.method == method]
     tps = _median([r.tokens_per_s for r in mine])
     per_prompt = []
@@ -118,7 +124,9 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
     base_outputs = {r.prompt: r.output_token_ids for r in base if r.repeat == 0}
     step_gaps = [gap for r in base for gap in itl_per_step_s(r.trace.steps)]
     baseline_step_s = statistics.median(step_gaps) if step_gaps else None
-    engine_rows = [method_row(m, "engine", records, prompts, base_tps, base_outputs, baseline_step_s, greedy)
+    dtype = str(target.dtype).removeprefix("torch.")
+    engine_rows = [method_row(m, "engine", records, prompts, base_tps, base_outputs, baseline_step_s,
+                              greedy and target_settings(m).get("dtype", dtype) == dtype)
                    for m in cfg.methods]
     hf_rows = []
     if cfg.vs_transformers:
@@ -127,7 +135,7 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
             if hf.name in result.skipped:
                 continue
             row = method_row(hf.name, "transformers", records, prompts, base_tps, base_outputs, baseline_step_s,
-                             greedy)
+                             greedy and hf.dtype in ("auto", dtype))
             row["engine_method"] = hf.engine_method
             row["engine_over_transformers"] = _ratio(by_method[hf.engine_method]["tokens_per_s_median"],
                                                      row["tokens_per_s_median"])
@@ -145,7 +153,9 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
         "model": cfg.model,
         "target": target.spec,
         "device": target.device,
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype,
+        "dtype_reason": target.dtype_reason,
+        "batch_invariant": target.batch_invariant,
         "prompt_tokens": prompt_tokens,
         "k": cfg.decode.k,
         "temperature": s.temperature,
@@ -178,6 +188,11 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def _verify_note(cost: float | None) -> str:
+    """The measured verify cost v (forward over k + 1 tokens / over 1) behind a prediction."""
+    return "" if cost is None else f" (v = {cost:.2f})"
+
+
 def _flag(x: bool | None) -> str:
     return "-" if x is None else ("yes" if x else "**NO**")
 
@@ -201,16 +216,18 @@ def markdown(report: dict) -> str:
         f"{report['evidence_class']}. {m['cpu_count']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), "
         f"transformers {m['transformers']}, load average {load}, {report['created']}.",
         "",
-        "| method | tokens/s | speedup | predicted | measured / predicted | acceptance rate | alpha "
-        "| tokens / step | per-position acceptance | c | identical |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| method | tokens/s | speedup | predicted | predicted, measured verify cost | measured / predicted "
+        "| acceptance rate | alpha | tokens / step | per-position acceptance | c | identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in report["results"]:
         per_pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
         name = r["method"] + (" (LOSSY)" if r.get("lossy") else "")
         lines.append(
             f"| {name} | {_fmt(r['tokens_per_s_median'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} "
-            f"| {_fmt(r['predicted_speedup'], '.2f', 'x')} | {_fmt(r['measured_over_predicted'])} "
+            f"| {_fmt(r['predicted_speedup'], '.2f', 'x')} "
+            f"| {_fmt(r['predicted_speedup_measured_verify'], '.2f', 'x')}{_verify_note(r['verify_cost'])} "
+            f"| {_fmt(r['measured_over_predicted'])} "
             f"| {_fmt(r['draft_acceptance_rate'])} | {_fmt(r['per_token_acceptance'])} "
             f"| {_fmt(r['mean_acceptance_length'])} | {per_pos} | {_fmt(r['cost_ratio'], '.3f')} "
             f"| {_flag(r['identical_to_baseline'])} |"

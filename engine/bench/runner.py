@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.bench.hf import HFMethod, assistant_for, generation_config, hf_generate, hf_methods_for
-from engine.bench.methods import DrafterOptions, check_buildable
+from engine.bench.methods import DrafterOptions, check_buildable, target_settings
 from engine.bench.prompts import Prompt
 from engine.decoding import DecodeConfig
 from engine.errors import InputError
@@ -76,7 +76,7 @@ class Entrant:
 def _engine_entrant(cfg: BenchConfig, method: str) -> Entrant:
     def run(prompt: Prompt, decode: DecodeConfig):
         request = RunRequest(prompt=prompt.text, model=cfg.model, raw=prompt.raw, decode=decode,
-                             drafter=cfg.options.spec(method))
+                             drafter=cfg.options.spec(method), **target_settings(method))
         prepared = prepare(request)  # a fresh drafter: no draft cache carried over from the last run
         trace = collect(prepared.info, events(prepared))
         return prepared.prompt_ids, trace.output_token_ids, trace.steps[-1].end_s, trace
@@ -84,7 +84,10 @@ def _engine_entrant(cfg: BenchConfig, method: str) -> Entrant:
     return Entrant(method, "engine", run)
 
 
-def _hf_entrant(cfg: BenchConfig, target: LoadedModel, method: HFMethod) -> Entrant:
+def _hf_entrant(cfg: BenchConfig, method: HFMethod) -> Entrant:
+    # transformers' generate() with its own kernels, in the dtype of the engine method it faces
+    target = load_model(cfg.model, dtype=method.dtype, kernels="stock")
+
     def run(prompt: Prompt, decode: DecodeConfig):
         prompt_ids = target.encode(prompt.text, raw=prompt.raw)
         config = generation_config(method, target, decode, cfg.options)
@@ -100,7 +103,7 @@ def entrants(cfg: BenchConfig, target: LoadedModel) -> list[Entrant]:
         check_buildable(target, method, cfg.options)
     out = [_engine_entrant(cfg, m) for m in cfg.methods]
     if cfg.vs_transformers:
-        out += [_hf_entrant(cfg, target, m) for m in hf_methods_for(cfg.methods)]
+        out += [_hf_entrant(cfg, m) for m in hf_methods_for(cfg.methods)]
     return out
 
 
