@@ -23,6 +23,7 @@ from engine.acceptance import AcceptRule
 from engine.decoding import MAX_K, MAX_NEW_TOKENS
 from engine.drafters import drafter_names
 from engine.errors import InputError
+from engine.models import DTYPE_CHOICES
 from engine.run import MAX_PROMPT_CHARS
 from lessons.model import (
     POLICIES,
@@ -44,7 +45,7 @@ CONTENT_DIR = LESSONS_DIR / "content"
 SOURCES_FILE = LESSONS_DIR / "sources.yaml"
 
 FORMULAS = ("expected_tokens_per_step", "predicted_speedup", "percentile")  # engine.metrics, by name
-ARG_RANGES = {"a": (0.0, 1.0), "k": (0, MAX_K), "c": (0.0, math.inf), "q": (0.0, 100.0)}
+ARG_RANGES = {"a": (0.0, 1.0), "k": (0, MAX_K), "c": (0.0, math.inf), "q": (0.0, 100.0), "verify_cost": (0.5, 50.0)}
 MIN_QUESTIONS = 5
 MAX_CHOICES = 6
 MAX_CHUNK_SIZE = 8192  # the embedded model's context
@@ -265,6 +266,10 @@ def _playground(f: _Fields, label: str, look_for: str) -> PlaygroundPreset:
     if not isinstance(rule, str) or rule not in {r.value for r in AcceptRule}:
         f.problem(f"rule must be one of {', '.join(r.value for r in AcceptRule)} (got {rule!r})")
         rule = AcceptRule.EXACT.value
+    dtype = f.data.get("dtype", "auto")
+    if dtype not in DTYPE_CHOICES:
+        f.problem(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {dtype!r})")
+        dtype = "auto"
     preset = PlaygroundPreset(
         label=label,
         look_for=look_for,
@@ -276,6 +281,7 @@ def _playground(f: _Fields, label: str, look_for: str) -> PlaygroundPreset:
         seed=f.integer("seed", 0, 2**63 - 1, default=0),
         max_new_tokens=f.integer("max_new_tokens", 1, MAX_NEW_TOKENS, default=64),
         rule=AcceptRule(rule),
+        dtype=dtype,
     )
     try:
         preset.decode_config()
@@ -305,7 +311,7 @@ def _preset(data: object, where: str, problems: list[str]) -> Preset | None:
     label, look_for = f.text("label"), f.text("look_for")
     target = f.data.get("target")
     if target == Target.PLAYGROUND.value:
-        allowed = ("method", "prompt", "k", "adaptive", "temperature", "seed", "max_new_tokens", "rule")
+        allowed = ("method", "prompt", "k", "adaptive", "temperature", "seed", "max_new_tokens", "rule", "dtype")
         return _playground(_Fields(f.data.get("settings"), f"{where}: settings", problems, allowed), label, look_for)
     if target == Target.CHUNKED_PREFILL.value:
         allowed = ("scenario", "policy", "chunk_size")

@@ -81,6 +81,7 @@ class PlaygroundPreset:
     seed: int = 0
     max_new_tokens: int = 64
     rule: AcceptRule = AcceptRule.EXACT
+    dtype: str = "auto"  # the target's dtype (engine.models.choose_dtype); "float32" shows a climbing verify curve
     target: ClassVar[Target] = Target.PLAYGROUND
 
     def decode_config(self) -> DecodeConfig:
@@ -94,7 +95,8 @@ class PlaygroundPreset:
         )
 
     def run_request(self, model: str) -> RunRequest:
-        return RunRequest(self.prompt, model=model, decode=self.decode_config(), drafter=DrafterSpec(self.method))
+        return RunRequest(self.prompt, model=model, decode=self.decode_config(), drafter=DrafterSpec(self.method),
+                          dtype=self.dtype)
 
 
 @dataclass(frozen=True)

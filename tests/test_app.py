@@ -74,7 +74,15 @@ def test_compare_runs_baseline_then_speculative_and_greedy_outputs_are_identical
     assert "sdl-stream" in baseline and "sdl-stream" in speculative
     # the speculative run is now the current run: its views, charts and trace
     assert "target steps" in current[1]
-    assert len(client.predict(api_name="/charts")) == 5
+    *plots, curve, machine = client.predict(api_name="/charts")
+    assert len(plots) == 5 and "Verify curve" in curve["plot"]
+    # this machine's verify curve, the dtype and why, and the prediction with the measured verify cost
+    assert "Target **" in machine and "costs **" in machine and "with the measured verify cost" in machine
+    float32 = client.predict(api_name="/compare", **dict(SETTINGS, dtype="float32"))[-1]
+    assert "outputs identical" in float32
+    assert "Target **float32**" in client.predict(api_name="/charts")[-1]
+    with pytest.raises(Exception, match="not in the list of choices|unknown dtype"):
+        client.predict(api_name="/run", speed_s=0, **dict(SETTINGS, dtype="float8"))
     trace = json.loads(open(client.predict(api_name="/download_trace"), encoding="utf-8").read())
     assert trace["info"]["method"] == "prompt-lookup"
     with pytest.raises(Exception, match="choose a drafter"):

@@ -134,7 +134,8 @@ def test_every_try_it_preset_fills_its_tab_with_settings_the_tab_accepts(url):
                 assert got == {"prompt": preset.prompt, "method": preset.method, "k": preset.k,
                                "adaptive": preset.adaptive, "temperature": preset.temperature, "top_k": 0,
                                "top_p": 1.0, "seed": preset.seed, "max_new_tokens": preset.max_new_tokens,
-                               "raw": False, "rule": preset.rule.value, "tree": CHAIN}
+                               "raw": False, "rule": preset.rule.value, "tree": CHAIN,
+                               "dtype": preset.dtype}
                 build_request(**got, preset="embedded")  # the playground's own checks pass
             else:
                 got = dict(zip(PREFILL_FIELDS, returned, strict=True))

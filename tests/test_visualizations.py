@@ -25,6 +25,7 @@ from visualizations import (
     target_top_table,
     theory_chart,
     theory_chart_for,
+    verify_curve_chart,
     token_stream_html,
     tokens_vs_steps_chart,
     trace_timeline,
@@ -270,6 +271,31 @@ def test_theory_chart_for_a_run(run):
     assert len(fig.data) == 4
     assert fig.data[1].x == (3,) and fig.data[1].y == (metrics.mean_acceptance_length(run),)
     assert theory_chart(1.0, 0.1).data[0].y[3] == 4.0  # a = 1: every draft accepted
+
+
+def test_theory_chart_with_a_measured_verify_curve_adds_the_costed_prediction():
+    curve = [20.0, 30.0, 31.0, 32.0, 30.0]  # T = 1..5: verifying costs 1.5x .. 1.6x one token
+    fig = theory_chart(0.8, 0.05, k_max=8, verify_ms=curve)
+    names = [t.name for t in fig.data]
+    assert names == ["theory (verification free)", "theory (verification free)", "theory (measured verify cost)"]
+    costed = fig.data[2]
+    assert list(costed.x) == [0, 1, 2, 3, 4]  # only the k whose T = k + 1 the curve covers
+    assert costed.y[4] == pytest.approx(metrics.predicted_speedup(0.8, 4, 0.05, 1.5))
+    assert costed.y[0] == pytest.approx(1.0) and fig.data[1].line.dash == "dot"
+
+
+def test_verify_curve_chart_marks_the_current_k():
+    curve = [20.0, 20.2, 20.4, 21.0, 22.0, 23.0]
+    fig = verify_curve_chart(curve, k=4, label="embedded, bfloat16")
+    line, point = fig.data
+    assert list(line.x) == [1, 2, 3, 4, 5, 6] and line.y[0] == 1.0 and line.y[4] == pytest.approx(1.1)
+    assert point.x == (5,) and point.y == (pytest.approx(1.1),) and "k = 4" in point.name
+    assert "embedded, bfloat16" in fig.layout.title.text
+    assert any(s.y0 == 1.0 for s in fig.layout.shapes)  # the "verification free" line
+    assert len(verify_curve_chart(curve, k=None).data) == 1
+    assert len(verify_curve_chart(curve, k=16).data) == 1  # T = 17 not measured: no marker
+    empty = verify_curve_chart([], k=4)
+    assert not empty.data and empty.layout.annotations
 
 
 @pytest.mark.parametrize("chart", [per_position_chart, accepted_histogram, theory_chart_for])

@@ -12,8 +12,9 @@ from engine.acceptance import AcceptRule
 from engine.decoding import MAX_K, DecodeConfig
 from engine.drafters import DrafterSpec, drafter_names
 from engine.errors import InputError
+from engine import metrics
 from engine.metrics import summary, verify_steps
-from engine.models import load_model
+from engine.models import DTYPE_CHOICES, load_model
 from engine.run import MAX_PROMPT_CHARS, RunRequest
 from engine.sampling import SamplingConfig
 from engine.session import RunSession
@@ -29,6 +30,7 @@ from visualizations import (
     token_stream_html,
     tokens_vs_steps_chart,
     trace_timeline,
+    verify_curve_chart,
     verify_view,
 )
 
@@ -81,7 +83,7 @@ class PlaygroundState:
 
 
 def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw,
-                  rule, tree) -> RunRequest:
+                  rule, tree, dtype="auto") -> RunRequest:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError("the prompt is empty: type something to continue")
     if preset not in preset_choices():
@@ -90,6 +92,8 @@ def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p
         raise InputError(f"unknown method {method!r}")
     if tree not in tree_choices():
         raise InputError(f"unknown tree shape {tree!r} (choose one of {', '.join(tree_choices())})")
+    if dtype not in DTYPE_CHOICES:
+        raise InputError(f"unknown dtype {dtype!r} (choose one of {', '.join(DTYPE_CHOICES)})")
     max_new = as_int(max_new_tokens, "max new tokens")
     if max_new > UI_MAX_NEW_TOKENS:
         raise InputError(f"max new tokens is capped at {UI_MAX_NEW_TOKENS} here (got {max_new})")
@@ -100,7 +104,7 @@ def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p
     decode = DecodeConfig(max_new_tokens=max_new, k=as_int(k, "k"), adaptive=bool(adaptive), sampling=sampling,
                           rule=AcceptRule(rule))
     drafter = DrafterSpec(method, tree=None if tree == CHAIN else tree)
-    return RunRequest(prompt=prompt, model=preset, raw=bool(raw), decode=decode, drafter=drafter)
+    return RunRequest(prompt=prompt, model=preset, raw=bool(raw), decode=decode, drafter=drafter, dtype=dtype)
 
 
 def readout(session: RunSession, render_ms: float) -> str:
@@ -226,6 +230,41 @@ def compare_views(c: Comparison | None):
             comparison_readout(c))
 
 
+def machine_note(session: RunSession | None, baseline_step_s: float | None = None) -> str:
+    """What the target runs in on this machine, what verifying k drafts costs here (the run's
+    measured verify curve), and the predicted speedup with that cost next to the textbook one."""
+    if session is None:
+        return "Run something: the verify curve is measured when the model loads (about two seconds, once)."
+    info = session.info
+    lines = [f"Target **{info.dtype}** on **{info.device}**: {info.dtype_reason or 'no reason recorded'}."]
+    if info.batch_invariant:
+        lines.append("Batch-invariant kernels: a position's logits are bitwise the same whether it is computed alone, "
+                     "in a k + 1-token verification, a tree or a prefill chunk, so greedy speculative output is the "
+                     "plain output token for token.")
+    elif info.dtype != "float32":
+        lines.append("Stock kernels: a position's logits can differ in the last bits with the number of tokens in a "
+                     "forward, so a near-tie can make greedy speculative output differ from plain decoding.")
+    k = info.k
+    cost = metrics.verify_cost(info.verify_ms, k + 1)
+    if cost is not None:
+        verdict = ("about one step: the premise of speculation holds" if cost <= 1.15 else
+                   "well over one step: each step must emit that many more tokens just to break even")
+        lines.append(f"Verifying k = {k} drafts (one forward over {k + 1} tokens) costs **{cost:.2f}×** a one-token "
+                     f"forward here: {verdict}.")
+    steps = session.steps
+    rate, c = metrics.per_token_acceptance(steps), metrics.cost_ratio(steps, baseline_step_s)
+    drafted = [s.k for s in verify_steps(steps) if s.k > 0]
+    if rate is not None and c is not None and drafted:
+        mean_k = round(statistics.mean(drafted))
+        free = metrics.predicted_speedup(rate, mean_k, c)
+        cost_k = metrics.verify_cost(info.verify_ms, mean_k + 1)
+        measured = f"**{metrics.predicted_speedup(rate, mean_k, c, cost_k):.2f}×** with the measured verify cost, " \
+            if cost_k is not None else ""
+        lines.append(f"Predicted speedup of this run (a = {rate:.2f}, c = {c:.3f}, k = {mean_k}): {measured}"
+                     f"{free:.2f}× if verification were free (Leviathan et al. 2023).")
+    return "\n\n".join(lines)
+
+
 def charts(state: PlaygroundState | None):
     """Acceptance charts and the timeline of the current run; after a comparison, its baseline
     joins the tokens-vs-steps chart and the theory chart shows the measured speedup."""
@@ -240,9 +279,13 @@ def charts(state: PlaygroundState | None):
         base_step_s = statistics.median(s.verify_s for s in verify_steps(baseline))
         ratios = speedups(c)
         measured = ratios[1] if ratios else None
+    verify_ms = session.info.verify_ms if session else ()
+    curve_k = session.info.k if session and session.info.method != "baseline" else None
+    label = f"{session.info.model}, {session.info.dtype}" if session else ""
     return (per_position_chart(steps), accepted_histogram(steps), tokens_vs_steps_chart(steps, baseline),
-            theory_chart_for(steps, baseline_step_s=base_step_s, measured_speedup=measured),
-            trace_timeline(steps, prefill))
+            theory_chart_for(steps, baseline_step_s=base_step_s, measured_speedup=measured, verify_ms=verify_ms),
+            trace_timeline(steps, prefill), verify_curve_chart(verify_ms, curve_k, label),
+            machine_note(session, base_step_s))
 
 
 def start_runs(requests: list[RunRequest]) -> list[RunSession]:
@@ -250,7 +293,7 @@ def start_runs(requests: list[RunRequest]) -> list[RunSession]:
     decoded whole in one GPU call and stepped through from their records (ui/gpu.py)."""
     if zero_gpu():
         return [RunSession.from_trace(trace, request) for trace, request in zip(decode_whole(tuple(requests)), requests)]
-    load_model(requests[0].model)
+    load_model(requests[0].model, dtype=requests[0].dtype)
     return [RunSession.live(request) for request in requests]
 
 
@@ -267,10 +310,10 @@ def _session_for(state: PlaygroundState | None, settings: tuple) -> PlaygroundSt
 
 @user_errors
 def step(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-         tree):
+         tree, dtype="auto"):
     """One draft/verify round: the drafts appear, then the verdict."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree)
+                tree, dtype)
     state = _session_for(state, settings)
     record = state.session.advance()
     if record is not None and record.k > 0:
@@ -281,10 +324,10 @@ def step(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, 
 
 @user_errors
 def play(state, speed_s, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw,
-         rule, tree):
+         rule, tree, dtype="auto"):
     """Stream rounds live; speed_s is the pause between rounds (0: as fast as the model goes)."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree)
+                tree, dtype)
     state = _session_for(state, settings)
     pause = max(0.0, min(2.0, as_float(speed_s, "speed")))
     while state.session.advance() is not None:
@@ -296,12 +339,12 @@ def play(state, speed_s, prompt, preset, method, k, adaptive, temperature, top_k
 
 @user_errors
 def compare(state, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-            tree):
+            tree, dtype="auto"):
     """Baseline, then speculative decoding, on the same prompt, each streamed live with its
     tokens/s; then the measured speedup and, for greedy decoding, whether the outputs are
     identical. The speculative run becomes the current run (verify table, charts, trace)."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree)
+                tree, dtype)
     if method == "baseline":
         raise InputError("choose a drafter as the method: it is compared with the baseline")
     speculative = build_request(*settings)
@@ -379,6 +422,8 @@ def build_playground():
                 raw = gr.Checkbox(False, label="raw text (no chat template)")
                 rule = gr.Radio([r.value for r in AcceptRule], value="exact", label="acceptance (typical is LOSSY)")
             tree = gr.Dropdown(tree_choices(), value=CHAIN, label="MTP tree shape (mtp, greedy only)", elem_id="tree")
+            dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", elem_id="dtype",
+                                label="target dtype (auto: the fastest exact one on this machine)")
             speed = gr.Slider(0, 2, value=0.3, step=0.05, label="play speed (pause between rounds, s)")
         with gr.Column(scale=2):
             with gr.Row():
@@ -410,16 +455,20 @@ def build_playground():
                 tokens_steps = gr.Plot()
                 theory = gr.Plot()
                 timeline = gr.Plot(elem_id="run-timeline")
+            with gr.Accordion("This machine: what verifying k drafts costs (the verify curve)", open=False,
+                              elem_id="machine-accordion"):
+                machine = gr.Markdown(machine_note(None), elem_id="machine-note")
+                curve = gr.Plot(elem_id="verify-curve")
             with gr.Accordion("Trace: download, or upload one to replay without a model", open=False):
                 with gr.Row():
                     download_btn = gr.Button("Prepare download")
                     trace_file = gr.File(label="trace JSON", interactive=False)
                 upload = gr.File(label="upload a trace JSON to replay", file_types=[".json"], type="filepath")
 
-    settings = [prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new, raw, rule, tree]
+    settings = [prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new, raw, rule, tree, dtype]
     shown = [state, stream, info, table, top, residual, tree_plot]
     compared = [base_stream, spec_stream, compare_info]
-    chart_plots = [per_pos, hist, tokens_steps, theory, timeline]
+    chart_plots = [per_pos, hist, tokens_steps, theory, timeline, curve, machine]
     step_btn.click(step, [state, *settings], shown, api_name="step", concurrency_id="model")
     played = play_btn.click(play, [state, speed, *settings], shown, api_name="play", concurrency_id="model")
     ran = run_btn.click(play, [state, gr.Number(0.0, visible=False), *settings], shown, api_name="run",
@@ -435,4 +484,4 @@ def build_playground():
     upload.upload(upload_trace, [state, upload], shown, api_name="upload_trace")
     return {"prompt": prompt, "preset": preset, "method": method, "k": k, "temperature": temperature,
             "max_new_tokens": max_new, "state": state, "adaptive": adaptive, "seed": seed, "rule": rule,
-            "top_k": top_k, "top_p": top_p, "raw": raw, "tree": tree}
+            "top_k": top_k, "top_p": top_p, "raw": raw, "tree": tree, "dtype": dtype}

@@ -10,6 +10,7 @@ from visualizations.acceptance import (
     theory_chart,
     theory_chart_for,
     tokens_vs_steps_chart,
+    verify_curve_chart,
 )
 from visualizations.latency import itl_distribution_chart, itl_over_time_chart, ttft_chart
 from visualizations.mtp_tree import mtp_tree_figure
@@ -38,6 +39,7 @@ __all__ = [
     "tokens_vs_steps_chart",
     "trace_timeline",
     "ttft_chart",
+    "verify_curve_chart",
     "verify_table",
     "verify_view",
 ]

@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 from engine import metrics
 from engine.trace import Step
-from visualizations.style import KIND_COLORS, SERIES_COLORS, TEMPLATE, VERMILLION, note_figure, styled
+from visualizations.style import GREY, KIND_COLORS, SERIES_COLORS, TEMPLATE, VERMILLION, note_figure, styled
 
 K_MAX = 16  # the theory curves run over k = 0..K_MAX (engine.decoding.MAX_K)
 
@@ -72,10 +72,15 @@ def theory_chart(
     measured_k: int | None = None,
     measured_tokens_per_step: float | None = None,
     measured_speedup: float | None = None,
+    verify_ms: Sequence[float] = (),
 ) -> go.Figure:
     """Two panels over k = 0..k_max at acceptance rate a and draft cost ratio c: expected tokens
     per target step (1 - a^(k+1)) / (1 - a), and predicted speedup
-    (1 - a^(k+1)) / ((1 - a)(k c + 1)). Measured values, when given, are drawn at measured_k."""
+    (1 - a^(k+1)) / ((1 - a)(k c + 1)). Measured values, when given, are drawn at measured_k.
+
+    verify_ms (this machine's verify curve, ms of one forward over T = 1, 2, ... tokens) adds the
+    prediction with the measured cost of verifying k + 1 tokens in place of "verification costs
+    one step", over the k the curve covers."""
     ks = list(range(k_max + 1))
     fig = make_subplots(rows=1, cols=2, subplot_titles=("Expected tokens per step", "Predicted speedup"))
     curves = (
@@ -85,9 +90,17 @@ def theory_chart(
     measured = (measured_tokens_per_step, measured_speedup)
     for col, (curve, point) in enumerate(zip(curves, measured), start=1):
         fig.add_trace(go.Scatter(
-            x=ks, y=curve, mode="lines", name="theory", legendgroup="theory", showlegend=col == 1,
-            line_color=SERIES_COLORS[0],
+            x=ks, y=curve, mode="lines", name="theory" if not verify_ms else "theory (verification free)",
+            legendgroup="theory", showlegend=col == 1, line_color=SERIES_COLORS[0],
+            line_dash="dot" if verify_ms and col == 2 else None,
         ), row=1, col=col)
+        if col == 2 and verify_ms:
+            costly = [k for k in ks if metrics.verify_cost(verify_ms, k + 1) is not None]
+            fig.add_trace(go.Scatter(
+                x=costly, y=[metrics.predicted_speedup(acceptance_rate, k, cost_ratio,
+                                                       metrics.verify_cost(verify_ms, k + 1)) for k in costly],
+                mode="lines", name="theory (measured verify cost)", line_color=SERIES_COLORS[2],
+            ), row=1, col=2)
         if point is not None and measured_k is not None:
             fig.add_trace(go.Scatter(
                 x=[measured_k], y=[point], mode="markers", name="measured", legendgroup="measured",
@@ -105,10 +118,11 @@ def theory_chart(
 
 def theory_chart_for(
     steps: Sequence[Step], *, baseline_step_s: float | None = None, measured_speedup: float | None = None,
-    k_max: int = K_MAX,
+    k_max: int = K_MAX, verify_ms: Sequence[float] = (),
 ) -> go.Figure:
     """theory_chart for a run: a (the per-token acceptance estimate), c, the run's mean k and its mean acceptance length from
-    engine.metrics; measured_speedup is the wall-clock ratio against a baseline run, if any."""
+    engine.metrics; measured_speedup is the wall-clock ratio against a baseline run, if any;
+    verify_ms the run's measured verify curve (RunInfo.verify_ms)."""
     rate = metrics.per_token_acceptance(steps)
     c = metrics.cost_ratio(steps, baseline_step_s)
     if rate is None or c is None:
@@ -116,4 +130,29 @@ def theory_chart_for(
     k = round(statistics.mean(s.k for s in metrics.verify_steps(steps) if s.k > 0))
     return theory_chart(rate, c, k_max=max(k_max, k), measured_k=k,
                         measured_tokens_per_step=metrics.mean_acceptance_length(steps),
-                        measured_speedup=measured_speedup)
+                        measured_speedup=measured_speedup, verify_ms=verify_ms)
+
+
+def verify_curve_chart(verify_ms: Sequence[float], k: int | None = None, label: str = "") -> go.Figure:
+    """This machine's verify curve: one target forward over T tokens as a multiple of one token,
+    T = 1, 2, ... (a step that verifies k drafts is T = k + 1). Flat (near 1) is the premise of
+    speculation; the dashed line is "verification costs one step". k marks the current draft length."""
+    title = "Verify curve: cost of one forward over T tokens / over 1" + (f" ({label})" if label else "")
+    if not verify_ms:
+        return note_figure(title, "No verify curve: this run was recorded without one")
+    ts = list(range(1, len(verify_ms) + 1))
+    ratios = [m / verify_ms[0] for m in verify_ms]
+    fig = go.Figure(go.Scatter(
+        x=ts, y=ratios, mode="lines+markers", name="measured", line_color=SERIES_COLORS[0],
+        customdata=list(verify_ms), hovertemplate="T = %{x}: %{y:.2f}× (%{customdata:.1f} ms)<extra></extra>",
+    ))
+    fig.add_hline(y=1.0, line_dash="dash", line_color=GREY, annotation_text="verification free",
+                  annotation_position="bottom right")
+    if k is not None and 1 <= k + 1 <= len(ratios):
+        fig.add_trace(go.Scatter(
+            x=[k + 1], y=[ratios[k]], mode="markers", name=f"this run: k = {k} (T = {k + 1})",
+            marker=dict(color=VERMILLION, size=13, symbol="diamond"),
+        ))
+    fig.update_xaxes(dtick=2)
+    fig.update_yaxes(rangemode="tozero")
+    return styled(fig, title, "tokens in the forward (T = k + 1)", "cost / one-token forward")
