@@ -80,37 +80,52 @@ def _callee_seconds(stats: dict) -> tuple[dict[str, float], float]:
     """Seconds generate() spent in each part (its direct callees, by PARTS), and its total
     minus the prefill."""
     gen = next(key for key in stats if key[0] == decoding.__file__ and key[2] == "generate")
+    # torch.inference_mode() wraps verify and drafters' propose in decorate_context, and the prefill
+    # generator in generator_context: look through them
+    wrappers = {key for key, (*_, callers) in stats.items()
+                if key[2] in ("decorate_context", "generator_context") and gen in callers}
     totals: dict[str, float] = defaultdict(float)
     for (filename, _, name), (_, _, _, _, callers) in stats.items():
-        if gen in callers:
-            part = PARTS.get(name, "records" if filename.endswith("trace.py") else "prefill" if name == "prefill" else None)
-            if part:
-                totals[part] += callers[gen][3]  # cumulative time of the calls made from generate
+        via = [c for c in callers if c == gen or c in wrappers]
+        part = PARTS.get(name, "records" if filename.endswith("trace.py") else "prefill" if name == "prefill" else None)
+        if via and part:
+            totals[part] += sum(callers[c][3] for c in via)  # cumulative time of the calls made from generate
     return totals, stats[gen][3] - totals.pop("prefill", 0.0)
 
 
 def profile_steps(target: LoadedModel, prompt: str, cfg: DecodeConfig, repeats: int,
                   spec: DrafterSpec | None = None) -> dict[str, float]:
-    """Median seconds per decoding step: the step timed plainly (no profiler), and its parts
-    (STEP_PARTS) as cProfile's shares of the profiled decode applied to that step."""
+    """Median seconds per decoding step and its parts (STEP_PARTS), anchored in the loop's own
+    timings of an unprofiled run: a step is the gap between consecutive step records, draft its
+    draft_s, and verify_s (the forward, acceptance and KV rollback) and the rest (records and the
+    loop) are split between their parts in the proportions cProfile measures on a profiled run of
+    the same decode (cProfile slows Python calls, so its absolute times are not used)."""
     ids = target.encode(prompt)
 
     def run():
         drafter = build_drafter(target, spec) if spec else None
         return [e for e in decoding.generate(target, ids, cfg, drafter) if isinstance(e, decoding.Step)]
 
+    def split(total: float, names: tuple[str, ...], weights: dict[str, float]) -> dict[str, float]:
+        weight = sum(weights.get(n, 0.0) for n in names)
+        return {n: total * weights.get(n, 0.0) / weight if weight else total / len(names) for n in names}
+
     run()  # warm-up
     per_run = []
     for _ in range(repeats):
         steps = run()
-        out = {"step": (steps[-1].end_s - steps[0].end_s) / (len(steps) - 1),
-               "tokens_per_step": sum(len(s.emitted) for s in steps[1:]) / (len(steps) - 1)}
+        body = steps[1:]  # step 0 is the prefill's first token
+        n = len(body)
+        step = (steps[-1].end_s - steps[0].end_s) / n
+        draft = sum(s.draft_s for s in body) / n
+        verify = sum(s.verify_s for s in body) / n
         profiler = cProfile.Profile()
         profiler.runcall(run)
         parts, decode_total = _callee_seconds(pstats.Stats(profiler).stats)
-        for part in STEP_PARTS[:-1]:
-            out[part] = out["step"] * parts.get(part, 0.0) / decode_total
-        out["loop python"] = out["step"] - sum(out[p] for p in STEP_PARTS[:-1])
+        parts["loop python"] = max(0.0, decode_total - sum(parts.values()))
+        out = {"step": step, "tokens_per_step": sum(len(s.emitted) for s in body) / n, "draft": draft}
+        out |= split(verify, ("verify forward", "acceptance", "KV rollback"), parts)
+        out |= split(step - draft - verify, ("records", "loop python"), parts)
         per_run.append(out)
     return {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
 
@@ -135,16 +150,18 @@ def profile_speculative(target: LoadedModel, method: str, k: int, tokens: int, r
 
 
 VERIFY_TOKENS = (1, 2, 3, 5, 9, 17)  # T = k + 1 for k = 0, 1, 2, 4, 8, 16
-CURVE_DTYPES = ("float32", "bfloat16", "float16")
+CURVE_DTYPES = ("float32", "bfloat16", "bfloat16:stock", "float16")  # "dtype[:stock]": transformers' own kernels
 
 
 def verify_curves(model: str, dtypes: tuple[str, ...], repeats: int = 5) -> dict[str, dict]:
-    """The verify curve of the model loaded in each dtype (engine.verify_curve.measure)."""
+    """The verify curve of the model loaded in each dtype (engine.verify_curve.measure); an entry
+    "bfloat16:stock" loads transformers' own kernels instead of the batch-invariant ones."""
     out = {}
-    for dtype in dtypes:
-        target = load_model(model, dtype=dtype)
+    for entry in dtypes:
+        dtype, _, kernels = entry.partition(":")
+        target = load_model(model, dtype=dtype, kernels=kernels or "auto")
         curve = measure(target, VERIFY_TOKENS, repeats=repeats)
-        out[dtype] = {"forward_ms": dict(zip(map(str, curve.tokens), curve.ms)),
+        out[entry] = {"forward_ms": dict(zip(map(str, curve.tokens), curve.ms)),
                       "over_single": dict(zip(map(str, curve.tokens), curve.ratios)),
                       "batch_invariant": target.batch_invariant}
     return out
@@ -256,7 +273,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for dtype, c in result["verify_curves"].items():
         curve = ", ".join(f"{n}: {r:.2f}x" for n, r in c["over_single"].items())
         invariant = " (batch-invariant)" if c["batch_invariant"] else ""
-        print(f"  {dtype:9s} T = 1 {c['forward_ms']['1']:.1f} ms; {curve}{invariant}")
+        print(f"  {dtype:14s} T = 1 {c['forward_ms']['1']:.1f} ms; {curve}{invariant}")
     if result["attention"]:
         print(f"one attention layer, T queries over N keys ({result['dtype']}): batch-invariant vs SDPA")
         for row in result["attention"]:
