@@ -63,7 +63,7 @@ def bench(tiny_target, tiny_draft, sets, tmp_path_factory):
     """One greedy benchmark of every engine method and transformers' counterparts."""
     out = tmp_path_factory.mktemp("bench-out")  # read via --out: a module fixture cannot take capsys
     code = main(["bench", "--model", tiny_target, "--draft", tiny_draft,
-                 "--methods", "prompt-lookup,draft-model,early-exit,draft-model:vocab=full", "--prompts", str(sets / "tiny.yaml"),
+                 "--methods", "prompt-lookup,draft-model,early-exit,draft-model:vocab=full,baseline:kernels=stock", "--prompts", str(sets / "tiny.yaml"),
                  "--k", "3", "--repeats", "2", "--max-new-tokens", "8", "--vs-transformers", "--out", str(out)])
     assert code == 0
     return json.loads((out / "bench.json").read_text()), out
@@ -76,10 +76,14 @@ def test_bench_json_contract(bench):
     assert report["evidence_class"] == "controlled benchmark" and report["concurrency"] == 1
     assert report["prompt_tokens"] == {"tiny/repeat": 10, "tiny/mixed": 8}
     assert [r["method"] for r in report["results"]] == ["baseline", "prompt-lookup", "draft-model", "early-exit",
-                                                        "draft-model:vocab=full"]  # a variant: its own row
+                                                        "draft-model:vocab=full", "baseline:kernels=stock"]  # variants: own rows
+    assert report["batch_invariant"] == (report["dtype"] == "bfloat16")  # auto: bfloat16 where the CPU has it
+    # transformers' generate() runs its own (stock) kernels: compared with the engine's stock plain run
+    stock = "baseline:kernels=stock" if report["batch_invariant"] else "baseline"
+    assert {r["compared_with"] for r in report["transformers"]} == {stock}
     base = report["results"][0]
     assert base["speedup"] == 1.0 and base["predicted_speedup"] is None and base["per_position_acceptance"] == []
-    for row in report["results"][1:]:
+    for row in report["results"][1:-1]:
         for key in ("tokens_per_s_median", "speedup", "draft_acceptance_rate", "per_token_acceptance",
                     "mean_acceptance_length", "per_position_acceptance", "cost_ratio", "predicted_speedup",
                     "measured_over_predicted", "identical_to_baseline", "per_prompt", "lossy"):
@@ -108,13 +112,13 @@ def test_greedy_outputs_are_flagged_identical(bench):
 def test_repeats_are_interleaved(bench):
     report, _ = bench
     runs = report["runs"]
-    assert len(runs) == 9 * 2 * 2  # 5 engine methods (a variant too) + 4 transformers variants, 2 prompts, 2 repeats
+    assert len(runs) == 10 * 2 * 2  # 6 engine methods (variants too) + 4 transformers variants, 2 prompts, 2 repeats
     rounds = {}
     for r in runs:
         rounds.setdefault((r["repeat"], r["prompt"]), []).append(r)
     firsts = set()
     for members in rounds.values():
-        assert sorted(r["order"] for r in members) == list(range(9))
+        assert sorted(r["order"] for r in members) == list(range(10))
         firsts.add(next(r["method"] for r in members if r["order"] == 0))
     assert len(firsts) == len(rounds)  # a different entrant starts each round
 

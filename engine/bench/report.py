@@ -10,7 +10,9 @@ Definitions (the formulas live in engine.metrics; nothing is redefined here):
   (engine.metrics.itl_per_step_s), the "time of one plain target step" of the cost ratio c.
 - acceptance rate, mean acceptance length, per-position acceptance, c and the predicted speedup
   (Leviathan et al. Thm 3.8) come from engine.metrics.summary over all the method's steps.
-- identical_to_baseline (greedy only): every repeat's output equals the engine baseline's
+- identical_to_baseline (greedy only): every repeat's output equals the engine's plain run of the
+  same arithmetic (the baseline; "baseline:dtype=..." / "baseline:kernels=stock" for methods of
+  that variant and, with batch-invariant kernels, for transformers' generate(), which uses its own)
   output on that prompt; None when sampling (the quality gate compares distributions).
 """
 
@@ -26,7 +28,7 @@ import torch
 import transformers
 
 from engine.bench.hf import hf_methods_for
-from engine.bench.methods import BASELINE, target_settings
+from engine.bench.methods import BASELINE, base_name, target_settings
 from engine.bench.runner import BenchConfig, BenchRun, RunRecord
 from engine.metrics import itl_per_step_s, summary
 from engine.models import LoadedModel
@@ -61,12 +63,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _identical(records: list[RunRecord], baseline: dict[str, tuple[int, ...]], greedy: bool) -> bool | None:
-    """None when sampling, or when the method's target runs in another dtype than the baseline's
-    (a "dtype=..." variant: other arithmetic, so other text is expected)."""
-    if not greedy:
+def _identical(records: list[RunRecord], baseline: dict[str, tuple[int, ...]] | None, greedy: bool) -> bool | None:
+    """None when sampling or when there is no plain run of the same arithmetic to compare with."""
+    if not greedy or baseline is None:
         return None
     return all(r.output_token_ids == baseline[r.prompt] for r in records)
+
+
+def _reference(method: str, outputs: dict[str, dict]) -> dict | None:
+    """The outputs a method's must equal: the plain engine run with the same target variant
+    ("mtp:kernels=stock" -> "baseline:kernels=stock"; a plain run's repeats must equal its first);
+    None if that run is not in the benchmark.
+
+    >>> _reference("mtp", {"baseline": {"p": (1,)}}), _reference("mtp:dtype=float32", {"baseline": {}})
+    ({'p': (1,)}, None)
+    """
+    settings = target_settings(method)
+    return outputs.get(BASELINE + "".join(f":{k}={v}" for k, v in settings.items()))
 
 
 def _acceptance(records: list[RunRecord], baseline_step_s: float | None) -> dict:
@@ -77,10 +90,10 @@ def _acceptance(records: list[RunRecord], baseline_step_s: float | None) -> dict
 
 
 def method_row(method: str, implementation: str, records: list[RunRecord], prompts: list[str],
-               base_tps: dict[str, float | None], base_outputs: dict[str, tuple[int, ...]],
+               base_tps: dict[str, float | None], base_outputs: dict[str, tuple[int, ...]] | None,
                baseline_step_s: float | None, greedy: bool) -> dict:
-    """greedy: outputs are compared with the baseline's (not for a method whose target runs in
-    another dtype than the baseline's: other arithmetic, other text)."""
+    """greedy: outputs are compared with base_outputs, the plain run of the same arithmetic
+    (None: no such run, or this row is it)."""
     mine = [r for r in records if r.method == method]
     tps = _median([r.tokens_per_s for r in mine])
     per_prompt = []
@@ -121,12 +134,16 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
     base = [r for r in records if r.method == BASELINE and r.implementation == "engine"]
     base_tps = {key: _median([r.tokens_per_s for r in base if r.prompt == key]) for key in prompts}
     base_tps["all"] = _median([r.tokens_per_s for r in base])
-    base_outputs = {r.prompt: r.output_token_ids for r in base if r.repeat == 0}
+    outputs = {}  # plain engine method -> its outputs per prompt (first repeat)
+    for r in records:
+        if r.implementation == "engine" and base_name(r.method) == BASELINE and r.repeat == 0:
+            outputs.setdefault(r.method, {})[r.prompt] = r.output_token_ids
+    base_outputs = outputs[BASELINE]
     step_gaps = [gap for r in base for gap in itl_per_step_s(r.trace.steps)]
     baseline_step_s = statistics.median(step_gaps) if step_gaps else None
     dtype = str(target.dtype).removeprefix("torch.")
-    engine_rows = [method_row(m, "engine", records, prompts, base_tps, base_outputs, baseline_step_s,
-                              greedy and target_settings(m).get("dtype", dtype) == dtype)
+    engine_rows = [method_row(m, "engine", records, prompts, base_tps, _reference(m, outputs), baseline_step_s,
+                              greedy)
                    for m in cfg.methods]
     hf_rows = []
     if cfg.vs_transformers:
@@ -134,8 +151,11 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
         for hf in hf_methods_for(cfg.methods):
             if hf.name in result.skipped:
                 continue
-            row = method_row(hf.name, "transformers", records, prompts, base_tps, base_outputs, baseline_step_s,
-                             greedy and hf.dtype in ("auto", dtype))
+            same = (f"{BASELINE}:dtype={hf.dtype}" if hf.dtype != "auto" else
+                    f"{BASELINE}:kernels=stock" if target.batch_invariant else BASELINE)  # transformers' own kernels
+            row = method_row(hf.name, "transformers", records, prompts, base_tps, outputs.get(same), baseline_step_s,
+                             greedy)
+            row["compared_with"] = same if same in outputs else None
             row["engine_method"] = hf.engine_method
             row["engine_over_transformers"] = _ratio(by_method[hf.engine_method]["tokens_per_s_median"],
                                                      row["tokens_per_s_median"])
@@ -236,14 +256,15 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             "| transformers generate() | tokens/s | speedup vs engine baseline | engine method "
-            "| engine / transformers | identical to engine baseline |",
+            "| engine / transformers | identical to the engine's plain run of the same kernels |",
             "|---|---:|---:|---|---:|---|",
         ]
         for r in report["transformers"]:
             lines.append(
                 f"| {r['method']} | {_fmt(r['tokens_per_s_median'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} "
                 f"| {r['engine_method']} | {_fmt(r['engine_over_transformers'], '.2f', 'x')} "
-                f"| {_flag(r['identical_to_baseline'])} |"
+                f"| {_flag(r['identical_to_baseline'])}"
+                f"{' (' + r['compared_with'] + ')' if r.get('compared_with') else ''} |"
             )
     for name, reason in report["transformers_skipped"].items():
         lines.append(f"\n{name}: skipped ({reason})")
