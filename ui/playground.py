@@ -234,7 +234,7 @@ def machine_note(session: RunSession | None, baseline_step_s: float | None = Non
     """What the target runs in on this machine, what verifying k drafts costs here (the run's
     measured verify curve), and the predicted speedup with that cost next to the textbook one."""
     if session is None:
-        return "Run something: the verify curve is measured when the model loads (about two seconds, once)."
+        return "Run something: the verify curve is measured when the model loads (a few seconds, once per model and dtype)."
     info = session.info
     lines = [f"Target **{info.dtype}** on **{info.device}**: {info.dtype_reason or 'no reason recorded'}."]
     if info.batch_invariant:
