@@ -5,7 +5,7 @@
 
 Drives the page as a user would (type a prompt, Step a sampled run a few times, run it to the
 end, Compare greedy decoding with the baseline, open the charts, switch to the Chunked prefill
-tab and compare two settings) and saves one PNG per view. The MTP tree is
+tab and compare two settings) and saves one PNG per view (the verify curve view too). The MTP tree is
 shot only when the mtp drafter can run on the preset (it needs trained heads). Needs chromium
 and chromedriver (apt: chromium chromium-driver) and selenium.
 """
@@ -144,6 +144,10 @@ def playground(page: Page) -> None:
     page.plots_drawn("charts-accordion", 5)
     page.shot("charts-accordion", "playground-acceptance-charts")
     page.shot("run-timeline", "playground-run-timeline")
+    page.open_accordion("machine-accordion")  # this machine's verify curve, drawn with the charts
+    page.plots_drawn("machine-accordion", 1)
+    page.wait_text("machine-note", "with the measured verify cost", timeout=30)
+    page.shot("machine-accordion", "playground-verify-curve")
 
 
 def mtp_tree(page: Page) -> None:

@@ -250,7 +250,9 @@ def machine_note(session: RunSession | None, baseline_step_s: float | None = Non
         verdict = ("about one step: the premise of speculation holds" if cost <= 1.15 else
                    "well over one step: each step must emit that many more tokens just to break even")
         lines.append(f"Verifying k = {k} drafts (one forward over {k + 1} tokens) costs **{cost:.2f}×** a one-token "
-                     f"forward here: {verdict}.")
+                     f"forward here: {verdict}. (Measured once, when the model loaded: the median of 3 forwards "
+                     f"per point, the lower of two passes; on a busy or shared machine the points scatter by "
+                     f"10-20 %.)")
     steps = session.steps
     rate, c = metrics.per_token_acceptance(steps), metrics.cost_ratio(steps, baseline_step_s)
     drafted = [s.k for s in verify_steps(steps) if s.k > 0]
