@@ -25,7 +25,7 @@ proves the fix on the embedded model and on a tiny one):
 
 Registered through transformers' AttentionInterface under ATTENTION_NAME; the model file is not
 patched. Float32 models keep SDPA: the float32 BLAS here is not row-invariant, and the engine's
-fast dtype on such CPUs is bfloat16 anyway (engine.models.pick_dtype).
+fast dtype on such CPUs is bfloat16 anyway (engine.models.choose_dtype).
 """
 
 from __future__ import annotations

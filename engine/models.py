@@ -14,7 +14,7 @@ import re
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -94,9 +94,6 @@ def choose_dtype(requested: str, device: str) -> tuple[torch.dtype, str]:
         return torch.bfloat16, f"bfloat16: auto, this CPU has {' and '.join(flags)} (fast bfloat16 matrix kernels)"
     return torch.float32, "float32: auto, this CPU has no bfloat16 matrix instructions (avx512_bf16, amx_bf16)"
 
-
-def pick_dtype(requested: str, device: str) -> torch.dtype:
-    return choose_dtype(requested, device)[0]
 
 
 def gguf_path(spec: str) -> Path:
@@ -215,7 +212,7 @@ class LoadedModel:
 
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str, str, str], LoadedModel] = {}
+_loaded: dict[tuple, LoadedModel] = {}
 
 
 def _load_folder(folder: Path, device: str, dtype: torch.dtype):
@@ -255,7 +252,23 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", kernels: st
     with _lock:
         if key not in _loaded:
             _loaded[key] = _load(spec, device, torch_dtype, reason, invariant, fall_back=dtype == "auto")
-        return _loaded[key]
+        loaded = _loaded[key]
+        if loaded.dtype is not torch_dtype:  # an automatic choice fell back at load: its reason says why
+            return loaded
+        # the same weights asked for another way ("auto" after "bfloat16"): same model, this call's reason
+        full = reason + _kernel_note(device, torch_dtype, invariant, loaded.batch_invariant)
+        if loaded.dtype_reason != full:
+            loaded = _loaded.setdefault((*key, full), replace(loaded, dtype_reason=full))
+        return loaded
+
+
+def _kernel_note(device: str, dtype: torch.dtype, asked_invariant: bool, invariant: bool) -> str:
+    """What the dtype reason adds about the kernels."""
+    if asked_invariant and not invariant:
+        return "; the batch-invariant kernels failed their check on this CPU (not batch-invariant)"
+    if not asked_invariant and device == "cpu" and dtype is torch.bfloat16:
+        return "; transformers' stock kernels (not batch-invariant)"
+    return ""
 
 
 def _load(spec: str, device: str, dtype: torch.dtype, reason: str, invariant: bool, fall_back: bool) -> LoadedModel:
@@ -273,15 +286,16 @@ def _load(spec: str, device: str, dtype: torch.dtype, reason: str, invariant: bo
             raise InputError(f"could not load model {spec!r}: {str(err).splitlines()[0][:160]}") from err
         shutil.rmtree(folder, ignore_errors=True)  # corrupt cache: convert again
         model, tokenizer = _load_folder(resolve_local(spec), device, dtype)
+    asked, passed = invariant, False
     if invariant:
         make_invariant(model)
-        invariant = self_check(model)
-        if not invariant and fall_back:
+        passed = self_check(model)
+        if not passed and fall_back:
             model, tokenizer = _load_folder(folder, device, torch.float32)
-            dtype, reason = torch.float32, "float32: auto, bfloat16 kernels here failed the batch-invariance check"
-    elif device == "cpu" and dtype is torch.bfloat16:
-        reason += "; transformers' stock kernels (not batch-invariant)"
-    return LoadedModel(spec, model, tokenizer, device, dtype, reason, invariant)
+            return LoadedModel(spec, model, tokenizer, device, torch.float32,
+                               "float32: auto, bfloat16 kernels here failed the batch-invariance check", False)
+    reason += _kernel_note(device, dtype, asked, passed)
+    return LoadedModel(spec, model, tokenizer, device, dtype, reason, passed)
 
 
 def _load_distilled(spec: str, device: str, dtype: str) -> LoadedModel:

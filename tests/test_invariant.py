@@ -90,6 +90,11 @@ def test_a_bfloat16_cpu_model_is_invariant_and_stock_kernels_are_marked(tiny_tar
     assert not stock.batch_invariant and "stock kernels" in stock.dtype_reason
     assert stock.model is not tiny_bf16.model and stock.model.config._attn_implementation != "speclab_invariant"
     assert not load_model(tiny_target, dtype="float32").batch_invariant
+    # the same weights asked for as "auto" after "bfloat16": one model, each call's own reason
+    auto = load_model(tiny_target)
+    if auto.dtype is torch.bfloat16:
+        assert auto.model is tiny_bf16.model and auto is load_model(tiny_target)
+        assert auto.dtype_reason.startswith("bfloat16: auto") and tiny_bf16.dtype_reason.startswith("bfloat16: asked")
 
 
 # --- logits and KV bitwise, tiny model --------------------------------------------------------

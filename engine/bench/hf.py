@@ -48,7 +48,7 @@ def hf_methods_for(methods: tuple[str, ...]) -> tuple[HFMethod, ...]:
     out = [m for m in HF_METHODS if m.engine_method in methods]
     for method in methods:
         dtype = target_settings(method).get("dtype")
-        if base_name(method) == BASELINE and dtype and "kernels" not in method:
+        if base_name(method) == BASELINE and dtype:  # (a method has one variant: never kernels too)
             out.append(HFMethod(f"transformers:dtype={dtype}", method, dtype))
     return tuple(out)
 
