@@ -15,11 +15,11 @@ proves the fix on the embedded model and on a tiny one):
   shapes that do not: the queries sharing a key/value head are stacked (GQA: groups x tokens
   rows, never fewer than two), scores and the weighted sum of values are 16-bit matrix products
   whose per-element reduction runs over the head dimension and over the keys in key order
-  (masked keys contribute exact zeros), and the softmax (`invariant_softmax`) pads each row to a
-  multiple of 64 keys, takes every exp through the vector kernel and sums with a sequential
-  cumulative sum, so a row's weights do not depend on its length. Contexts under 64 keys are
-  padded with masked zero keys: torch sends batched products under 16^3 multiply-adds to
-  another kernel (cpublas rather than oneDNN) that rounds differently. A tree verification (a
+  (masked keys contribute exact zeros), and the softmax (`invariant_softmax`) is torch's own
+  over each row's keys, one row per thread, which masked keys (exact zeros in its sequential
+  sum) leave unchanged. Contexts under 64 keys are padded with masked zero keys: torch sends
+  batched products under 16^3 multiply-adds to another kernel (cpublas rather than oneDNN)
+  that rounds differently. A tree verification (a
   draft sees only its ancestors) gathers each draft's visible keys into a contiguous row, as
   plain decoding of that path would see them.
 
@@ -42,52 +42,28 @@ ATTENTION_NAME = "speclab_invariant"
 QUERY_BLOCK = 256  # long prefill chunks: queries in blocks (rows are independent) to bound memory
 
 
-KEY_BLOCK = 64  # softmax rows are padded to a multiple of this: every element takes the vector exp
-GRAIN = 32768  # torch's parallel grain (at::internal::GRAIN_SIZE): smaller calls run on one thread
-
-
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    """exp of a contiguous float32 tensor whose size is a multiple of KEY_BLOCK, every element
-    through the same (vectorized) kernel. torch computes the ragged tail of each thread's share of
-    a call with the scalar exp, which can differ in the last bit, and where those tails fall
-    depends on the tensor's size. Here every share is a whole number of vectors: pieces of GRAIN
-    elements per thread (split evenly), and what is left in calls small enough for one thread."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    if n <= GRAIN:
-        return torch.exp(x)
-    out = torch.empty_like(flat)
-    piece = GRAIN * torch.get_num_threads()
-    whole = n - n % piece
-    for lo in range(0, whole, piece):
-        torch.exp(flat[lo:lo + piece], out=out[lo:lo + piece])
-    for lo in range(whole, n, GRAIN // 2):  # each under the grain: one thread, no split
-        torch.exp(flat[lo:lo + GRAIN // 2], out=out[lo:lo + GRAIN // 2])
-    return out.view_as(x)
+KEY_BLOCK = 64  # contexts shorter than this are padded with masked zero keys (see _grouped_attention)
 
 
 def invariant_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim (float32, masked keys -inf) whose value for a row depends only on
-    the row's unmasked entries, not on its length or on how many rows share the call.
+    """Softmax over the last dim (float32, masked keys -inf, rows of at least 16 entries) whose
+    value for a row depends only on the row's unmasked entries, not on its length or on how many
+    rows share the call.
 
-    torch.softmax sums a row with vector lanes whose grouping depends on the row's length, so a
-    query that sees c keys gets other last bits inside a verification (its row padded to the
-    longest row's length) than alone. Here the row is padded to a multiple of KEY_BLOCK, the max
-    is exact whatever the order, every exp takes the vector kernel (_exp), and the sum adds
-    blocks of KEY_BLOCK (a fixed-length reduction each) with a sequential cumulative sum, which
-    the zero blocks of a masked tail leave unchanged.
+    torch's softmax over a contiguous last dim handles each row on one thread: the exp of every
+    element through the vector kernel (a partial vector at the row's end too) and the sum as one
+    sequential pass of vector accumulators. Masked entries are exact zeros there, and adding
+    zeros leaves every accumulator unchanged, so a row padded with masked keys (inside a
+    verification, or a prefill chunk) gets the bits it gets alone. Rows shorter than a vector take
+    another path (a lane-by-lane sum), hence the 16-entry floor, which KEY_BLOCK keeps.
+    (torch.exp on its own is not position-independent: each thread's share of a call ends in a
+    scalar tail, and where the shares end depends on the tensor's size.)
 
-    >>> x = torch.tensor([[0.5, 1.5, 2.0, float("-inf")], [0.5, 1.5, 2.0, 3.0]])
-    >>> torch.equal(invariant_softmax(x)[0, :3], invariant_softmax(x[:1, :3])[0])
+    >>> x = torch.tensor([[0.5, 1.5, 2.0] * 6 + [float("-inf")] * 6, [0.5, 1.5, 2.0] * 8])
+    >>> torch.equal(invariant_softmax(x)[0, :18], invariant_softmax(x[:1, :18])[0])
     True
     """
-    n = scores.shape[-1]
-    width = -(-n // KEY_BLOCK) * KEY_BLOCK
-    padded = F.pad(scores, (0, width - n), value=float("-inf")).contiguous()
-    e = _exp(padded.sub_(padded.amax(dim=-1, keepdim=True)))
-    blocks = e.unflatten(-1, (width // KEY_BLOCK, KEY_BLOCK)).sum(dim=-1)  # (..., width / KEY_BLOCK)
-    total = blocks.cumsum(dim=-1)[..., -1:]
-    return e[..., :n].div_(total)
+    return torch.softmax(scores.contiguous(), dim=-1)
 
 
 def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -97,25 +73,27 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     *lead, hq, t, d = query.shape
     hkv, n = key.shape[-3], key.shape[-2]
     g = hq // hkv
-    if n < KEY_BLOCK:
+    short = n < KEY_BLOCK
+    if short:
         # torch hands batched products below 16^3 multiply-adds to another kernel (cpublas, not
         # oneDNN), which rounds differently: a short context would take it alone and not inside a
         # verification. Masked zero keys keep every product on the oneDNN kernel.
         extra = KEY_BLOCK - n
         key, value = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra))
-        if bias is None:
-            bias = torch.zeros(t, n, device=query.device)
-        bias = F.pad(bias, (0, extra), value=float("-inf"))
-        n = KEY_BLOCK
+        if bias is not None:
+            bias = F.pad(bias, (0, extra), value=float("-inf"))
     rows = query.reshape(*lead, hkv, g * t, d)  # queries sharing a KV head: (group, token) rows
     pad = g * t == 1  # one row would take the matrix-vector kernel: duplicate it
     if pad:
         rows = torch.cat([rows, rows], dim=-2)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float() * scale  # (..., Hkv, rows, N)
+    scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(scale)  # (..., Hkv, rows, N')
     if pad:
         scores = scores[..., :1, :]
-    if bias is not None:  # (..., T, N) -> shared by the heads and the query groups
-        scores = (scores.reshape(*lead, hkv, g, t, n) + bias.unsqueeze(-3).unsqueeze(-4)).reshape(*lead, hkv, g * t, n)
+    if bias is not None:  # (..., T, N') -> shared by the heads and the query groups
+        width = scores.shape[-1]
+        scores = (scores.reshape(*lead, hkv, g, t, width) + bias.unsqueeze(-3).unsqueeze(-4)).reshape(*lead, hkv, g * t, width)
+    elif short:
+        scores[..., n:] = float("-inf")
     weights = invariant_softmax(scores).to(value.dtype)
     if pad:
         weights = torch.cat([weights, weights], dim=-2)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
-from engine.invariant import InvariantLinear, row_invariant, self_check
+from engine.invariant import InvariantLinear, invariant_softmax, row_invariant, self_check
 from engine.models import choose_dtype, load_model
 from engine.mtp.tree import tree_inputs
 from engine.trace import Step
@@ -75,6 +75,27 @@ def test_invariant_linear_sends_one_row_through_the_multi_row_kernel():
     together = fixed(x)
     assert all(torch.equal(fixed(x[i:i + 1])[0], together[i]) for i in range(9))
     assert torch.equal(fixed(x[None, 2:3])[0, 0], together[2])  # (B, T, H) input, T = 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_of_a_row_does_not_depend_on_its_masked_tail_or_its_neighbours(threads):
+    """A query's row alone (its keys only) and the same row inside a verification or a prefill
+    block (masked keys after it, up to the longest row, many rows in one call)."""
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(200):
+            n = int(torch.randint(16, 3000, (1,), generator=gen))
+            tail = int(torch.randint(1, 300, (1,), generator=gen))
+            rows = int(torch.randint(1, 40, (1,), generator=gen))
+            scores = torch.randn(rows, n + tail, generator=gen) * 8
+            scores[0, n:] = float("-inf")
+            alone = invariant_softmax(scores[:1, :n])[0]
+            together = invariant_softmax(scores)
+            assert torch.equal(together[0, :n], alone) and not together[0, n:].any()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_auto_dtype_follows_the_cpu_and_a_forced_dtype_wins():
