@@ -115,7 +115,11 @@ def _visible(attention_mask: torch.Tensor | None, t: int, n: int, device) -> tor
 
 
 def _masked_tail(counts: torch.Tensor, width: int) -> torch.Tensor:
-    """(rows, width) float32: 0 for the first counts[r] slots of row r, -inf after."""
+    """(rows, width) float32: 0 for the first counts[r] slots of row r, -inf after. A row that
+    may see no key at all (a padding position of a left-padded batch) sees its first slot: its
+    output is never read, but an all-masked row would be NaN, and a NaN value in the cache
+    poisons every row that masks it (0 x NaN)."""
+    counts = counts.clamp_min(1)
     slots = torch.arange(width, device=counts.device)[None, :]
     return torch.zeros(len(counts), width, device=counts.device).masked_fill_(slots >= counts[:, None], float("-inf"))
 
@@ -138,11 +142,11 @@ def _plan(attention_mask: torch.Tensor | None, t: int, n: int, device) -> _Plan:
         blocks = []
         for lo in range(0, t, QUERY_BLOCK):
             c = counts[lo:lo + QUERY_BLOCK]
-            keys = int(c.max())
+            keys = max(1, int(c.max()))
             blocks.append((lo, lo + len(c), keys, _masked_tail(c, keys)))
         return _Plan(blocks=tuple(blocks))
     # a tree's ancestor mask: each row's visible keys in key order (a stable sort puts them first)
-    width = int(counts.max())
+    width = max(1, int(counts.max()))
     order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices[:, :width]
     return _Plan(order=order, bias=_masked_tail(counts, width))
 

@@ -225,3 +225,19 @@ def test_embedded_bfloat16_speculative_greedy_is_plain_greedy(embedded_bf16, met
         events = list(generate(embedded_bf16, ids, DecodeConfig(max_new_tokens=40, k=4, prefill_chunk=16), drafter))
         assert tokens_of(events) == plain_ids, f"{method} on {prompt[:20]!r}"
     assert plain_ids
+
+
+@torch.inference_mode()
+def test_a_left_padded_batch_decodes_as_each_sequence_alone(tiny_bf16):
+    """Padding positions see no key at all; they must not turn into NaNs that poison the real
+    rows (transformers' batched generate() with left padding, as the training corpus runs it)."""
+    model = tiny_bf16.model
+    prompts = [[5, 9, 14, 3, 22, 5, 9], [7, 30, 31, 5, 9, 14, 3, 22, 5, 9, 14, 7, 30]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[],
+                             pad_token_id=0)[:, width:]
+    for p, row in zip(prompts, batched.tolist()):
+        alone = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=0)
+        assert row == alone[0, len(p):].tolist()
