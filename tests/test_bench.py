@@ -278,6 +278,39 @@ def test_shipped_prompt_sets():
     assert [p.key for p in load_prompts("chat,code", limit=1)] == ["chat/colors", "code/fizzbuzz"]
 
 
+def test_spec_bench_loads_per_category():
+    from engine.bench.prompts import SPEC_BENCH_CATEGORIES
+
+    prompts = load_prompts("spec-bench")
+    assert len(prompts) == 240
+    assert [name for name in dict.fromkeys(p.set for p in prompts)] == [f"spec-bench:{c}" for c in SPEC_BENCH_CATEGORIES]
+    mt = load_prompts("spec-bench:mt_bench", limit=8)  # interleaved: one of each MT-bench kind
+    assert [p.id.split("-")[0] for p in mt] == ["writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                                 "stem", "humanities"]
+    qa = load_prompts("spec-bench:qa")
+    assert len(qa) == 40 and qa[0].key == "spec-bench:qa/322" and not qa[0].raw
+    assert len(load_prompts("spec-bench,chat", limit=2)) == 6 * 2 + 2
+    with pytest.raises(Exception, match="unknown Spec-Bench category 'math'"):
+        load_prompts("spec-bench:math")
+
+
+def test_bench_reports_each_prompt_set(tiny_target, sets, capsys, tmp_path):
+    code, _, _ = engine(capsys, "bench", "--model", tiny_target, "--methods", "prompt-lookup",
+                        "--prompts", f"{sets / 'tiny.yaml'},{sets / 'flood.yaml'}", "--k", "3", "--repeats", "1",
+                        "--max-new-tokens", "6", "--out", tmp_path)
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["prompt_sets"] == {"tiny": 2, "flood": 1}
+    lookup = report["results"][1]
+    assert [p["set"] for p in lookup["per_set"]] == ["tiny", "flood"]
+    flood = lookup["per_set"][1]
+    per_prompt = next(p for p in lookup["per_prompt"] if p["prompt"] == "flood/w9")
+    assert flood["mean_acceptance_length"] == per_prompt["mean_acceptance_length"] and flood["speedup"] > 0
+    assert flood["identical_to_baseline"] is True and report["results"][0]["per_set"][0]["speedup"] == 1.0
+    md = (tmp_path / "bench.md").read_text()
+    assert "| method | tiny (2) | flood (1) | all |" in md and "tau" in md
+
+
 def test_gate_tab_validates_and_renders(tiny_target, sets, capsys):
     from ui.gate import gate_config, verdict_markdown
 

@@ -60,8 +60,8 @@ def register(subparsers) -> None:
 
 def _add_common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--prompts", default="all",
-                   help=f"comma-separated prompt sets ({', '.join(builtin_sets())}, or a YAML/JSON file); "
-                        "all = every set")
+                   help=f"comma-separated prompt sets ({', '.join(builtin_sets())}, spec-bench or "
+                        "spec-bench:<category>, or a YAML/JSON file); all = every built-in YAML set")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts of each set (0 = all)")
     p.add_argument("--k", type=int, default=4, help="draft length 1..16")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per run (EOS is ignored)")

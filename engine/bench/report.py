@@ -6,6 +6,9 @@ Definitions (the formulas live in engine.metrics; nothing is redefined here):
   method runs the same prompts to the same length (ignore_eos), so medians compare.
 - speedup = the method's median tokens/s / the baseline's, measured in the same run; per prompt
   the same with that prompt's medians.
+- per prompt set (Spec-Bench's per-category table): the set's median tokens/s over its runs /
+  the baseline's over the same runs' prompts, and tau (mean acceptance length) and the draft
+  acceptance rate over the set's steps.
 - baseline_step_ms: the median gap between consecutive plain decode steps of the baseline's runs
   (engine.metrics.itl_per_step_s), the "time of one plain target step" of the cost ratio c.
 - acceptance rate, mean acceptance length, per-position acceptance, c and the predicted speedup
@@ -35,6 +38,7 @@ from engine.models import LoadedModel
 
 SCHEMA = "speclab.bench/1"
 EVIDENCE = "controlled benchmark"
+SET_PREFIX = "set:"  # base_tps keys of whole prompt sets (prompt keys hold a "/")
 ACCEPTANCE_KEYS = ("drafted_tokens", "accepted_tokens", "draft_acceptance_rate", "per_token_acceptance",
                    "mean_acceptance_length", "per_position_acceptance", "cost_ratio", "predicted_speedup",
                    "verify_cost", "predicted_speedup_measured_verify")
@@ -91,9 +95,10 @@ def _acceptance(records: list[RunRecord], baseline_step_s: float | None) -> dict
 
 def method_row(method: str, implementation: str, records: list[RunRecord], prompts: list[str],
                base_tps: dict[str, float | None], base_outputs: dict[str, tuple[int, ...]] | None,
-               baseline_step_s: float | None, greedy: bool) -> dict:
+               baseline_step_s: float | None, greedy: bool, sets: dict[str, list[str]] | None = None) -> dict:
     """greedy: outputs are compared with base_outputs, the plain run of the same arithmetic
-    (None: no such run, or this row is it)."""
+    (None: no such run, or this row is it). sets: prompt set -> its prompt keys (a row per set,
+    as Spec-Bench reports per category); base_tps holds each set's baseline median too."""
     mine = [r for r in records if r.method == method]
     tps = _median([r.tokens_per_s for r in mine])
     per_prompt = []
@@ -109,6 +114,18 @@ def method_row(method: str, implementation: str, records: list[RunRecord], promp
             "mean_acceptance_length": _acceptance(runs, baseline_step_s)["mean_acceptance_length"]
             if implementation == "engine" else None,
         })
+    per_set = []
+    for name, keys in (sets or {}).items():
+        runs = [r for r in mine if r.prompt in keys]
+        set_tps = _median([r.tokens_per_s for r in runs])
+        acc = _acceptance(runs, baseline_step_s) if implementation == "engine" else {}
+        per_set.append({
+            "set": name, "prompts": len(keys), "tokens_per_s_median": set_tps,
+            "speedup": _ratio(set_tps, base_tps[SET_PREFIX + name]),
+            "mean_acceptance_length": acc.get("mean_acceptance_length"),
+            "draft_acceptance_rate": acc.get("draft_acceptance_rate"),
+            "identical_to_baseline": _identical(runs, base_outputs, greedy),
+        })
     row = {
         "method": method,
         "implementation": implementation,
@@ -117,6 +134,7 @@ def method_row(method: str, implementation: str, records: list[RunRecord], promp
         "speedup": _ratio(tps, base_tps["all"]),
         "identical_to_baseline": _identical(mine, base_outputs, greedy),
         "per_prompt": per_prompt,
+        "per_set": per_set,
     }
     if implementation == "engine":
         acc = _acceptance(mine, baseline_step_s)
@@ -134,6 +152,11 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
     base = [r for r in records if r.method == BASELINE and r.implementation == "engine"]
     base_tps = {key: _median([r.tokens_per_s for r in base if r.prompt == key]) for key in prompts}
     base_tps["all"] = _median([r.tokens_per_s for r in base])
+    sets: dict[str, list[str]] = {}
+    for p in cfg.prompts:
+        sets.setdefault(p.set, []).append(p.key)
+    for name, keys in sets.items():
+        base_tps[SET_PREFIX + name] = _median([r.tokens_per_s for r in base if r.prompt in keys])
     outputs = {}  # plain engine method -> its outputs per prompt (first repeat)
     for r in records:
         if r.implementation == "engine" and base_name(r.method) == BASELINE and r.repeat == 0:
@@ -143,7 +166,7 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
     baseline_step_s = statistics.median(step_gaps) if step_gaps else None
     dtype = str(target.dtype).removeprefix("torch.")
     engine_rows = [method_row(m, "engine", records, prompts, base_tps, _reference(m, outputs), baseline_step_s,
-                              greedy)
+                              greedy, sets)
                    for m in cfg.methods]
     hf_rows = []
     if cfg.vs_transformers:
@@ -154,7 +177,7 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
             same = (f"{BASELINE}:dtype={hf.dtype}" if hf.dtype != "auto" else
                     f"{BASELINE}:kernels=stock" if target.batch_invariant else BASELINE)  # transformers' own kernels
             row = method_row(hf.name, "transformers", records, prompts, base_tps, outputs.get(same), baseline_step_s,
-                             greedy)
+                             greedy, sets)
             row["compared_with"] = same if same in outputs else None
             row["engine_method"] = hf.engine_method
             row["engine_over_transformers"] = _ratio(by_method[hf.engine_method]["tokens_per_s_median"],
@@ -190,6 +213,7 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
         "repeats": cfg.repeats,
         "methods": list(cfg.methods),
         "prompts": prompts,
+        "prompt_sets": {name: len(keys) for name, keys in sets.items()},
         "machine": machine,
         "baseline_step_ms": baseline_step_s * 1000 if baseline_step_s is not None else None,
         "results": engine_rows,
@@ -215,6 +239,13 @@ def _verify_note(cost: float | None) -> str:
 
 def _flag(x: bool | None) -> str:
     return "-" if x is None else ("yes" if x else "**NO**")
+
+
+def _set_cell(speedup: float | None, tau: float | None, identical: bool | None) -> str:
+    cell = _fmt(speedup, ".2f", "x")
+    if tau is not None:
+        cell += f", tau {tau:.2f}"
+    return cell + (" (differs)" if identical is False else "")
 
 
 def markdown(report: dict) -> str:
@@ -269,6 +300,20 @@ def markdown(report: dict) -> str:
     for name, reason in report["transformers_skipped"].items():
         lines.append(f"\n{name}: skipped ({reason})")
     rows = report["results"] + report["transformers"]
+    sets = report.get("prompt_sets", {})
+    if len(sets) > 1:
+        lines += [
+            "",
+            "Per prompt set (Spec-Bench's table: speedup over the engine baseline on that set, and "
+            "tau, the mean acceptance length = tokens per target step):",
+            "",
+            "| method | " + " | ".join(f"{name} ({n})" for name, n in sets.items()) + " | all |",
+            "|---|" + "---:|" * (len(sets) + 1),
+        ]
+        for r in rows:
+            cells = [_set_cell(p["speedup"], p["mean_acceptance_length"], p["identical_to_baseline"]) for p in r["per_set"]]
+            cells.append(_set_cell(r["speedup"], r.get("mean_acceptance_length"), r["identical_to_baseline"]))
+            lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| prompt | tokens | " + " | ".join(r["method"] for r in rows) + " |",
