@@ -4,7 +4,8 @@ A method is "baseline" (plain decoding) or a registered drafter's name, optional
 variant setting after a colon, so variants of a drafter run side by side in one run:
 "mtp:tree=small" (MTP tree drafting with that shape; plain "mtp" follows --tree) and
 "draft-model:vocab=full" / "mtp:vocab=full" (score every token instead of the shipped drafting
-vocabulary). Two variants apply to every method and change the target, not the drafter:
+vocabulary), "mtp:kind=heads" / "mtp:kind=module" (Medusa-style heads or the DeepSeek-style MTP
+module, where "mtp" takes the module for a chain when one is shipped). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
 "baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
 batch-invariant ones, engine.invariant). Methods are checked before any timing starts: an unregistered drafter, an unknown
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.drafters import DrafterSpec, build_drafter, drafter_names
+from engine.drafters.mtp import MTP_KINDS
 from engine.drafters.vocab import check_choice
 from engine.errors import InputError
 from engine.models import LoadedModel
@@ -43,7 +45,7 @@ class DrafterOptions:
         return replace(spec, **variant)
 
 
-VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp")}  # setting -> the drafters that read it
+VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",)}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 
 
@@ -75,6 +77,10 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
         return name, {"tree": None if value == "chain" else value}
     if key == "vocab":
         return name, {"draft_vocab": check_choice(value)}
+    if key == "kind":
+        if value not in MTP_KINDS:
+            raise InputError(f"method {method!r}: kind must be one of {', '.join(MTP_KINDS)}")
+        return name, {"mtp_kind": value}
     return name, {}
 
 

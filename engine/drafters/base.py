@@ -72,6 +72,11 @@ class DrafterSpec:
     # draft-model (distilled) and mtp heads: "trained" scores only the drafting vocabulary shipped
     # with the weights (engine/drafters/vocab.py), "full" every token
     draft_vocab: str = "trained"
+    # mtp: which MTP module drafts. "auto": the target's own MTP layers if its config declares
+    # them, else a trained DeepSeek-style module (engine/mtp/module.py) if one is shipped for it
+    # (chains), else trained Medusa-style heads (and always the heads for a tree). "module" or
+    # "heads" asks for one kind.
+    mtp_kind: str = "auto"
 
 
 DrafterFactory = Callable[[LoadedModel, DrafterSpec], Drafter]

@@ -1,19 +1,26 @@
 """mtp: multi-token prediction, drafting from the target's own final hidden state.
 
-One drafter name, two kinds of MTP module:
-- a target whose config declares MTP layers (DeepSeek-V3 style) drafts a chain with them
+One drafter name, three sources of MTP layers, chosen by DrafterSpec.mtp_kind ("auto" takes the
+first that exists):
+- a target whose config declares MTP layers (DeepSeek-V3 style) drafts with them
   (engine/mtp/native.py);
-- otherwise trained Medusa-style heads (engine/mtp/heads.py; shipped for the embedded model in
-  engine/weights/): every head reads the same hidden state, so one pass proposes all depths.
+- a DeepSeek-style MTP module trained here (engine/mtp/module.py, kind "module"): each depth
+  reads the previous depth's hidden state AND the token just drafted, through the same driver.
+  A tree (--tree SHAPE) is one rollout per branch: each node is ranked in the distribution the
+  module gives after its own path's tokens (EAGLE-style), all nodes of a depth in one batch;
+- trained Medusa-style heads (engine/mtp/heads.py, kind "heads"): every head reads the same
+  hidden state, so one pass proposes all depths, none knowing the others' drafts.
   Chain drafting takes each head's choice (its argmax, or a draw from its distribution, which is
   then the draft_probs: the standard rule keeps sampling exact even though the heads ignore each
   other's drafts). Tree drafting (--tree SHAPE) proposes the heads' top-k combinations named by
-  the shape and is verified in one target forward; it is greedy only, so with sampling the
-  drafter drafts the chain instead (exact, never lossy).
+  the shape.
+Trees are verified in one target forward, greedily only, so with sampling every kind drafts the
+chain instead (exact, never lossy).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -23,9 +30,11 @@ from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_v
 from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads, load_heads
+from engine.mtp.module import KIND as MODULE_KIND
+from engine.mtp.module import load_module
 from engine.mtp.native import NativeMTP, has_mtp_layers
 from engine.mtp.tree import TreeShape, tree_shape
-from engine.mtp.weights import find_weights, resolve_weights
+from engine.mtp.weights import CARD_FILE, find_weights, resolve_weights
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 from engine.trace import TOP_N
 
@@ -70,31 +79,61 @@ class MTPHeadsDrafter:
 
 
 class NativeMTPDrafter:
+    """DeepSeek-style MTP layers: the target's own (module None) or a trained module."""
+
     name = "mtp"
 
-    def __init__(self, target: LoadedModel):
-        self.layers = NativeMTP(target)
+    def __init__(self, target: LoadedModel, module: torch.nn.Module | None = None,
+                 vocabulary: torch.Tensor | None = None, tree: TreeShape | None = None):
+        self.layers = NativeMTP(target, module, vocabulary)
+        self.tree = tree
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         self.layers.observe(context, accepted, hidden)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+        if self.tree is not None and sampling.greedy:  # (trees are verified greedily: with sampling, a chain)
+            ids, probs = self.layers.draft_tree(context, self.tree.paths)
+            return DraftProposal(ids, probs, parents=self.tree.parents, ranks=self.tree.paths)
         ids, probs = self.layers.draft(context, k, sampling, rng)
         return DraftProposal(ids, probs)
 
 
+MTP_KINDS = ("auto", "module", "heads")
+
+
+def _weights_folder(target: LoadedModel, spec: DrafterSpec) -> tuple[Path, str]:
+    """The trained weights this spec asks for and their kind (KIND or MODULE_KIND)."""
+    if spec.draft:  # an explicit folder: its card says what it holds
+        folder = resolve_weights(spec.draft)
+        kind = json.loads((folder / CARD_FILE).read_text()).get("kind")
+        wanted = {"module": MODULE_KIND, "heads": KIND}.get(spec.mtp_kind)
+        if kind not in (KIND, MODULE_KIND) or (wanted and kind != wanted):
+            raise InputError(f"{folder} holds {kind!r} weights, not {wanted or 'MTP heads or an MTP module'}")
+        return folder, kind
+    kinds = {"module": (MODULE_KIND,), "heads": (KIND,)}.get(spec.mtp_kind) or (MODULE_KIND, KIND)
+    for kind in kinds:
+        folder = find_weights(kind, target.spec)
+        if folder is not None:
+            return folder, kind
+    what = " or ".join({MODULE_KIND: "MTP module", KIND: "MTP heads"}[k] for k in kinds)
+    raise InputError(
+        f"no {what} trained for {target.spec!r} and its config declares no MTP layers "
+        f"(train: python -m engine.train {'mtp-module' if kinds[0] == MODULE_KIND else 'mtp-heads'} --model {target.spec})"
+    )
+
+
 @register("mtp")
 def _build(target: LoadedModel, spec: DrafterSpec):
-    if has_mtp_layers(target):
-        if spec.tree:
-            raise InputError("tree drafting needs MTP heads; this model's own MTP layers draft a chain")
-        return NativeMTPDrafter(target)
-    folder = resolve_weights(spec.draft) if spec.draft else find_weights(KIND, target.spec)
-    if folder is None:
-        raise InputError(
-            f"no MTP heads trained for {target.spec!r} and its config declares no MTP layers "
-            f"(train heads: python -m engine.train mtp-heads --model {target.spec})"
-        )
-    heads, _ = load_heads(Path(folder), target)
-    vocabulary = load_vocabulary(Path(folder)) if check_choice(spec.draft_vocab) == TRAINED else None
-    return MTPHeadsDrafter(target, heads, tree_shape(spec.tree) if spec.tree else None, vocabulary)
+    if spec.mtp_kind not in MTP_KINDS:
+        raise InputError(f"mtp kind must be one of {', '.join(MTP_KINDS)} (got {spec.mtp_kind!r})")
+    tree = tree_shape(spec.tree) if spec.tree else None
+    if has_mtp_layers(target) and spec.mtp_kind == "auto":
+        return NativeMTPDrafter(target, tree=tree)
+    folder, kind = _weights_folder(target, spec)
+    vocabulary = load_vocabulary(folder) if check_choice(spec.draft_vocab) == TRAINED else None
+    if kind == MODULE_KIND:
+        module, _ = load_module(folder, target)
+        return NativeMTPDrafter(target, module, vocabulary, tree)
+    heads, _ = load_heads(folder, target)
+    return MTPHeadsDrafter(target, heads, tree, vocabulary)

@@ -1,7 +1,8 @@
-"""A target's own MTP layers (DeepSeek-V3's design, DeepSeek-AI 2024, section 2.2), used as the
-drafter when the target's config declares them (num_mtp_layers / num_nextn_predict_layers).
+"""MTP layers of DeepSeek-V3's design (DeepSeek-AI 2024, section 2.2) as a drafter: a target's own
+(its config declares num_mtp_layers / num_nextn_predict_layers), or a module trained here for a
+target without them (engine/mtp/module.py); both are transformers' MtpModel, driven alike.
 
-transformers builds and loads the layers (`MtpModel.from_pretrained(target)`): per layer an
+transformers builds and loads a target's own layers (`MtpModel.from_pretrained(target)`): per layer an
 enorm and an hnorm, eh_proj over [enorm(embedding of the next token), hnorm(previous hidden
 state)], one decoder block of the target's own kind, and the target's embedding and LM head,
 shared. This module drives them with its own cache bookkeeping so drafting fits the loop.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from engine.drafters.vocab import DraftVocabulary
 from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.sampling import SamplingConfig, choose, probs_from_logits
@@ -28,18 +30,25 @@ def has_mtp_layers(target: LoadedModel) -> bool:
 
 
 class NativeMTP:
-    """The target's MTP layers with per-depth caches, fed the target's hidden states."""
+    """MTP layers with per-depth caches, fed the target's hidden states: the target's own
+    (module None), or a trained module (engine.mtp.module.load_module), optionally scoring only a
+    drafting vocabulary (engine/drafters/vocab.py)."""
 
-    def __init__(self, target: LoadedModel):
-        from transformers.modeling_layers import MtpModel
+    def __init__(self, target: LoadedModel, module: torch.nn.Module | None = None,
+                 vocabulary: torch.Tensor | None = None):
+        if module is None:
+            from transformers.modeling_layers import MtpModel
 
-        try:
-            self.mtp = MtpModel.from_pretrained(target.model, device_map={"": target.device})
-        except (OSError, ValueError, RuntimeError) as err:
-            raise InputError(f"could not load the MTP layers of {target.spec!r}: {str(err).splitlines()[0][:160]}") from err
-        self.mtp.eval().requires_grad_(False)
-        self.mtp_config = target.model.config.get_mtp_config()
+            try:
+                module = MtpModel.from_pretrained(target.model, device_map={"": target.device})
+            except (OSError, ValueError, RuntimeError) as err:
+                raise InputError(f"could not load the MTP layers of {target.spec!r}: {str(err).splitlines()[0][:160]}") from err
+            module.eval().requires_grad_(False)
+        self.mtp = module
+        self.mtp_config = module.config
         self.vocab = target.vocab_size
+        self.subset = None if vocabulary is None else DraftVocabulary(vocabulary, target.model.get_output_embeddings(),
+                                                                      target.vocab_size)
         hidden_size = self.mtp_config.hidden_size
         # states[d]: h^d (rows = positions 0..) where it no longer depends on a draft; states[0]
         # holds the target's final hidden states
@@ -56,6 +65,8 @@ class NativeMTP:
         self.states.append(self.states[0][:0])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.subset is not None:
+            return self.subset.logits(hidden)  # (V,), -inf outside the drafting vocabulary
         logits = self.mtp._project_to_logits(hidden[None])[0].float()  # (V',)
         if logits.shape[0] != self.vocab:  # pad/cut to the target's vocabulary
             logits = torch.nn.functional.pad(logits, (0, max(0, self.vocab - logits.shape[0])), value=-1e9)
@@ -89,3 +100,77 @@ class NativeMTP:
             self.caches[d - 1].crop(settled - out.shape[0])  # drop the transient entries
             below = torch.cat([self.states[d], out[settled:]])
         return torch.tensor(drafts, dtype=torch.long), torch.stack(probs)
+
+    def _settle(self, context: list[int], depth: int) -> None:
+        """Bring depths 1..depth up to date with the context: every row whose token x_{i+d} is in
+        the context is computed once and kept (cache and state)."""
+        for d in range(1, depth + 1):
+            if len(self.caches) < d:
+                self._add_depth()
+            start, stop = self.states[d].shape[0], len(context) - d  # rows start..stop-1 settle now
+            if stop <= start:
+                continue
+            below = self.states[d - 1][start:stop]  # (q, H): depth d - 1 has its rows up to stop
+            tokens = torch.tensor([context[start + d: stop + d]], device=below.device)
+            positions = torch.arange(start + d, stop + d, device=below.device)[None]
+            out = self.mtp.forward_layer((d - 1) % len(self.mtp.layers), below[None], positions, self.caches[d - 1],
+                                         input_ids=tokens)[0]
+            self.states[d] = torch.cat([self.states[d], out])
+
+    def _branch_cache(self, d: int, copies: int) -> DynamicCache:
+        """Depth d's settled KV entries repeated for `copies` branches (a scratch cache)."""
+        scratch = DynamicCache(config=self.mtp_config)
+        layer = (d - 1) % len(self.mtp.layers)
+        kept = self.caches[d - 1].layers[layer]
+        if getattr(kept, "keys", None) is not None and kept.keys.numel():
+            scratch.update(kept.keys.expand(copies, -1, -1, -1).contiguous(),
+                           kept.values.expand(copies, -1, -1, -1).contiguous(), layer)
+        return scratch
+
+    @torch.inference_mode()
+    def draft_tree(self, context: list[int], paths: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tree of drafts given as paths of ranks (engine/mtp/trees.yaml): node (0, 2) is the
+        third likeliest token after the likeliest first draft, each node ranked in its own
+        parent's distribution (every branch is its own MTP rollout, EAGLE-style). Greedy.
+
+        Depth d + 1 of a node whose path holds tokens t_1..t_d runs rows n-d+1..n (n: the anchor,
+        len(context) - 2) with tokens t_1..t_d over the previous depth's rows along the same
+        path: the settled row n-d+1 and the parent's own rows. All nodes of one depth run as one
+        batch over copies of that depth's settled cache; nothing a branch computes is kept.
+        Returns ids (nodes,) and each node's draft distribution (nodes, V)."""
+        n = len(context) - 2
+        depth = max(len(p) for p in paths)
+        self._settle(context, depth)
+        root = self._logits(self.states[1][n])
+        ranks_of: dict[tuple[int, ...], list[int]] = {}  # a node's path -> its children's ranks
+        for path in paths:
+            ranks_of.setdefault(path[:-1], []).append(path[-1])
+        # level: path -> (its rows at the next depth (d, H), or None for the root; its children's probs)
+        level = {(): (None, torch.softmax(root, -1))}
+        ids, probs = {}, {}
+        for d in range(1, depth + 1):
+            children = []
+            for path, (_, p) in level.items():
+                ranks = ranks_of.get(path)
+                if not ranks:
+                    continue
+                top = torch.topk(p, max(ranks) + 1).indices.tolist()
+                for r in ranks:
+                    children.append(path + (r,))
+                    ids[path + (r,)], probs[path + (r,)] = top[r], p
+            if d == depth or not children:
+                break
+            nodes = [q for q in children if q in ranks_of]  # only nodes with children of their own run on
+            if not nodes:
+                break
+            tokens = torch.tensor([[ids[q[:j + 1]] for j in range(d)] for q in nodes], device=root.device)  # (B, d)
+            rows = torch.stack([torch.cat([self.states[d][n - d + 1: n - d + 2]] + ([] if d == 1 else [level[q[:-1]][0]]))
+                                for q in nodes])  # (B, d, H): settled row n-d+1, then the parent's rows
+            positions = torch.arange(n + 2, n + d + 2, device=root.device)[None].expand(len(nodes), -1)
+            out = self.mtp.forward_layer(d % len(self.mtp.layers), rows, positions, self._branch_cache(d + 1, len(nodes)),
+                                         input_ids=tokens)  # (B, d, H) at depth d + 1
+            level = {q: (out[b], torch.softmax(self._logits(out[b, -1]), -1)) for b, q in enumerate(nodes)}
+        missing = [p for p in paths if p not in ids]
+        if missing:
+            raise InputError(f"tree path {missing[0]} has no parent in the tree")
+        return torch.tensor([ids[p] for p in paths], dtype=torch.long), torch.stack([probs[p] for p in paths])

@@ -1,12 +1,15 @@
-"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary} [options]
+"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary, corpus, mtp-module} [options]
 
-Both trainers first self-distil (the target answers the shipped prompt set; cached under
-$SPECLAB_CACHE/train, so reruns skip it), then train, then write weights + card.json to --out.
+Every trainer first self-distils (the target answers a prompt set; cached under
+$SPECLAB_CACHE/train, so reruns skip it), then trains, then writes weights + card.json to --out.
+mtp-heads and draft-model read the templated prompts.jsonl; corpus and mtp-module read the real
+prompts of train_prompts.jsonl (engine/train/corpus.py, DATA.md) in bfloat16.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -21,6 +24,8 @@ from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR
 from engine.train.common import write_vocabulary
+from engine.train.corpus import CorpusConfig, build_corpus, corpus_dir, load_corpus
+from engine.train.module import ModuleConfig, train_module
 from engine.train.data import DataConfig, build_dataset
 from engine.train.draft import DraftConfig, train_draft
 from engine.train.heads import HeadsConfig, train_heads
@@ -57,7 +62,59 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--lr", type=float, default=DraftConfig.lr)
     vocab = sub.add_parser("vocabulary", help="(re)write the drafting vocabulary beside trained weights in --out")
     _data_args(vocab, "mtp-heads")
+    corpus = sub.add_parser("corpus", help="only self-distil the real prompts (resumable shards)")
+    _corpus_args(corpus)
+    corpus.add_argument("--split", default="train", choices=("train", "heldout", "spec-bench"))
+    module = sub.add_parser("mtp-module", help="train the DeepSeek-style MTP module")
+    _corpus_args(module)
+    module.add_argument("--out", default=str(WEIGHTS_DIR / "mtp-module"), help="folder for weights + card.json")
+    module.add_argument("--heldout", type=int, default=160, help="held-out train prompts answered for the card")
+    module.add_argument("--spec-bench", type=int, default=120, help="Spec-Bench dev questions answered for the card")
+    module.add_argument("--layers", type=int, default=ModuleConfig.layers)
+    module.add_argument("--depths", type=int, default=ModuleConfig.depths)
+    module.add_argument("--steps", type=int, default=ModuleConfig.steps)
+    module.add_argument("--batch-positions", type=int, default=ModuleConfig.batch_positions)
+    module.add_argument("--lr", type=float, default=ModuleConfig.lr)
     return parser
+
+
+def _corpus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded", help="preset name or local folder of the target")
+    p.add_argument("--prompts", type=int, default=CorpusConfig.prompts, help="train prompts answered (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=CorpusConfig.max_new_tokens, help="answer length cap")
+    p.add_argument("--data-batch", type=int, default=CorpusConfig.batch_size, help="prompts answered together")
+    p.add_argument("--dtype", default="bfloat16", help="the target's dtype while answering")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
+    target = load_model(args.model, device="cpu", dtype=args.dtype, kernels="stock")  # batched: stock kernels
+    base = CorpusConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, batch_size=args.data_batch,
+                        seed=args.seed)
+    progress = not args.quiet
+    if args.command == "corpus":
+        cfg = CorpusConfig(**{**base.__dict__, "split": args.split})
+        shards = build_corpus(target, cfg, progress)
+        seqs = load_corpus(shards)
+        print(f"{corpus_dir(target, cfg)}: {len(seqs)} {args.split} sequences, {sum(s.answer_len for s in seqs)} answer positions")
+        return 0
+    splits = {"train": base.prompts, "heldout": args.heldout, "spec-bench": args.spec_bench}
+    data = {}
+    for split, n in splits.items():
+        cfg = CorpusConfig(**{**base.__dict__, "split": split, "prompts": n})
+        shards = build_corpus(target, cfg, progress)
+        data[split] = load_corpus(shards)
+    info = {"prompts_file": "engine/train/train_prompts.jsonl", "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
+            "settings": {**base.__dict__, "split": None}}
+    cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
+                       lr=args.lr, seed=args.seed)
+    evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
+    card = train_module(target, data["train"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
+                        info, progress)
+    print(f"wrote {args.out}: " + json.dumps(card["evaluation"]))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPECLAB_ALLOW_ANY_MODEL", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.command in ("corpus", "mtp-module"):
+        try:
+            return _corpus_main(args, argv)
+        except InputError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     try:
         target = load_model(args.model, device="cpu", dtype="float32")
         begin = time.perf_counter()

@@ -1,0 +1,196 @@
+"""The training corpus from real prompts: the target answers them (self-distillation) and a
+teacher-forced pass keeps, at every position of prompt + answer, the target's final hidden state
+and its top-K next-token logits.
+
+Prompts: engine/train/train_prompts.jsonl (14,106 prompts under MIT or Apache-2.0: GSM8K train
+questions, GPTeacher code and roleplay instructions, Self-Instruct seed tasks; sources and
+licences in engine/train/DATA.md). Every 20th row is held out (never trained on; the cards' accuracies read it).
+The Spec-Bench dev questions (engine/bench/prompts/spec-bench.jsonl) can be answered the same
+way, as an evaluation set only (`split="spec-bench"`): no trainer reads that split.
+
+Why a teacher-forced pass after generating: a drafter is fed the hidden states the engine's
+verification and prefill forwards produce (all positions, prompt included: an MTP module keeps a
+KV cache over the whole context), so it is trained on the same kind of pass, not on the
+step-by-step generation's.
+
+Cost on a small CPU: answers are generated in batches of similar-length prompts (left padded)
+in bfloat16 with transformers' own kernels, the fastest batched path here; the batch's
+sequences then go through one right-padded forward. Each batch is saved as its own shard the
+moment it exists, so an interrupted build resumes where it stopped; a shard's name fixes which
+prompts it holds (a seeded draw), so reruns and larger builds reuse every shard made before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.errors import InputError
+from engine.models import LoadedModel, cache_root
+
+TRAIN_PROMPTS = Path(__file__).with_name("train_prompts.jsonl")
+HELDOUT_EVERY = 20  # row i is held out when i % 20 == 0
+SPLITS = ("train", "heldout", "spec-bench")
+BLOCK = 256  # prompts drawn together; sorted by length inside a block, then batched
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    split: str = "train"
+    prompts: int = 2000  # how many prompts of the split to answer (a seeded draw; 0: all)
+    max_new_tokens: int = 128  # answer length cap
+    max_prompt_tokens: int = 512  # longer prompts are skipped
+    batch_size: int = 16
+    top_logits: int = 8  # target logits kept per position (the distillation target)
+    seed: int = 0
+
+
+@dataclass
+class Sequence:
+    """One answered prompt: ids (T,) = prompt + answer; row i of hidden / top_* is position i
+    (its final hidden state and the target's top-K logits for the token after it)."""
+
+    key: str  # "<split>/<row>"
+    source: str  # the prompt's origin (gsm8k-train, gpteacher-codegen, ... or a Spec-Bench category)
+    ids: torch.Tensor  # (T,) int32
+    prompt_len: int
+    hidden: torch.Tensor  # (T, H) bfloat16
+    top_ids: torch.Tensor  # (T, K) int32
+    top_logits: torch.Tensor  # (T, K) bfloat16
+
+    @property
+    def answer_len(self) -> int:
+        return int(self.ids.shape[0]) - self.prompt_len
+
+
+def read_split(split: str) -> list[tuple[str, str, str]]:
+    """(key, source, text) of every prompt of a split, in file order."""
+    if split not in SPLITS:
+        raise InputError(f"unknown corpus split {split!r} (one of {', '.join(SPLITS)})")
+    if split == "spec-bench":
+        from engine.bench.prompts import SPEC_BENCH_FILE
+
+        rows = [json.loads(line) for line in SPEC_BENCH_FILE.read_text(encoding="utf-8").split("\n") if line.strip()]
+        return [(f"spec-bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
+    rows = [json.loads(line) for line in TRAIN_PROMPTS.read_text(encoding="utf-8").split("\n") if line.strip()]
+    held = split == "heldout"
+    return [(f"{split}/{i}", r["source"], r["text"]) for i, r in enumerate(rows) if (i % HELDOUT_EVERY == 0) == held]
+
+
+def drawn(split: str, n: int, seed: int) -> list[tuple[str, str, str]]:
+    """The first n prompts of the split's seeded order (a larger n extends a smaller one)."""
+    rows = read_split(split)
+    random.Random(f"{split}:{seed}").shuffle(rows)
+    return rows[:n] if n else rows
+
+
+def corpus_dir(target: LoadedModel, cfg: CorpusConfig) -> Path:
+    """Shards live under what changes their content: the target, its dtype, the answer cap, K and
+    the draw's seed (not the number of prompts: more prompts only add shards)."""
+    key = json.dumps([target.spec, str(target.dtype), cfg.max_new_tokens, cfg.max_prompt_tokens, cfg.top_logits,
+                      cfg.batch_size, cfg.seed])
+    return cache_root() / "train" / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _batches(target: LoadedModel, cfg: CorpusConfig) -> list[tuple[str, list[tuple[str, str, list[int]]]]]:
+    """(shard name, [(key, source, prompt ids)]) for every batch of the draw."""
+    rows = drawn(cfg.split, cfg.prompts, cfg.seed)
+    out = []
+    for block in range(0, len(rows), BLOCK):
+        encoded = [(key, source, target.encode(text)) for key, source, text in rows[block:block + BLOCK]]
+        encoded = sorted((e for e in encoded if len(e[2]) <= cfg.max_prompt_tokens), key=lambda e: len(e[2]))
+        for b in range(0, len(encoded), cfg.batch_size):
+            out.append((f"{cfg.split}-{block // BLOCK:04d}-{b // cfg.batch_size:02d}", encoded[b:b + cfg.batch_size]))
+    return out
+
+
+@torch.inference_mode()
+def answer_batch(target: LoadedModel, batch: list[tuple[str, str, list[int]]], cfg: CorpusConfig) -> list[Sequence]:
+    model = target.model
+    eos = sorted(target.eos_token_ids)
+    pad = eos[0]
+    prompts = [ids for _, _, ids in batch]
+    width = max(len(p) for p in prompts)
+    left = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, T) left padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=left, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=pad)
+    seqs = []
+    for p, row in zip(prompts, out[:, width:].tolist()):
+        cut = next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))  # EOS kept
+        seqs.append(p + row[:cut])
+    # the teacher-forced pass over prompt + answer, right padded
+    longest = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [pad] * (longest - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
+    hidden = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    lm_head = model.get_output_embeddings()
+    result = []
+    for (key, source, prompt), seq, h in zip(batch, seqs, hidden):
+        h = h[: len(seq)]
+        top = torch.topk(lm_head(h).float(), cfg.top_logits, dim=-1)  # (T, K)
+        result.append(Sequence(key, source, torch.tensor(seq, dtype=torch.int32), len(prompt), h.to(torch.bfloat16).clone(),
+                               top.indices.to(torch.int32), top.values.to(torch.bfloat16)))
+    return result
+
+
+def _save(shard: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(shard, tmp)
+    tmp.replace(path)  # atomic: a shard on disk is always whole
+
+
+def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True) -> list[Path]:
+    """Answer the draw's prompts that no shard holds yet; returns the draw's shard files. A shard
+    is reused only if it holds exactly the prompts its batch asks for (info.json keeps each
+    shard's keys): a larger draw changes the last, partial block, which is then answered again."""
+    folder = corpus_dir(target, cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    info_path = folder / "info.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {
+        "target": target.spec, "dtype": str(target.dtype).removeprefix("torch."), "settings": asdict(cfg),
+        "seconds": {}, "shards": {}}
+    batches = _batches(target, cfg)
+    todo = [(name, batch) for name, batch in batches
+            if not (folder / f"{name}.pt").is_file() or info["shards"].get(name) != [key for key, _, _ in batch]]
+    bar = tqdm(todo, desc=f"corpus {cfg.split} (target answers)", unit="batch", disable=not progress)
+    for name, batch in bar:
+        begin = time.perf_counter()
+        seqs = answer_batch(target, batch, cfg)
+        _save({"sequences": [asdict(s) for s in seqs]}, folder / f"{name}.pt")
+        seconds = time.perf_counter() - begin
+        info["seconds"][cfg.split] = round(info["seconds"].get(cfg.split, 0.0) + seconds, 1)
+        info["shards"][name] = [key for key, _, _ in batch]
+        _save_json(info, info_path)
+        bar.set_postfix(tok_s=f"{sum(len(s.ids) for s in seqs) / seconds:.0f}")
+    return [folder / f"{name}.pt" for name, _ in batches]
+
+
+def _save_json(data: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def load_corpus(paths: list[Path]) -> list[Sequence]:
+    """Every sequence of these shards, in order."""
+    return [Sequence(**s) for p in paths for s in torch.load(p, weights_only=True)["sequences"]]
+
+
+def corpus_stats(seqs: list[Sequence]) -> dict:
+    sources: dict[str, int] = {}
+    for s in seqs:
+        sources[s.source] = sources.get(s.source, 0) + 1
+    return {
+        "sequences": len(seqs),
+        "positions": sum(int(s.ids.shape[0]) for s in seqs),
+        "answer_positions": sum(s.answer_len for s in seqs),
+        "sources": dict(sorted(sources.items())),
+    }

@@ -1,0 +1,220 @@
+"""The DeepSeek-style MTP module (engine/mtp/module.py), its corpus (engine/train/corpus.py) and
+trainer (engine/train/module.py), and the mtp drafter's choice between module and heads.
+
+Tiny random models carry the exactness and trainer tests; the evaluation's acceptance length is
+checked against the engine's own decoding with the same module."""
+
+import json
+
+import pytest
+import torch
+
+from engine.decoding import DecodeConfig, generate
+from engine.drafters import DrafterSpec, build_drafter
+from engine.errors import InputError
+from engine.models import load_model
+from engine.mtp.module import KIND, build_module, load_module, trained_state
+from engine.mtp.weights import CARD_FILE, save_weights
+from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
+from engine.drafters.vocab import load_vocabulary
+from engine.train.module import ModuleConfig, drafting_vocabulary, evaluate, train_module
+from engine.mtp.tree import tree_shape
+from engine.sampling import SamplingConfig
+from engine.trace import Step
+from transformers import DynamicCache
+
+PROMPT = [5, 9, 14, 3, 22, 5, 9, 14, 7, 30, 31, 5, 9]
+
+
+def tokens_of(events):
+    return [t.token_id for e in events if isinstance(e, Step) for t in e.emitted]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(tiny_target)
+
+
+def module_folder(target, folder, seed=0, scale=0.3):
+    """A module with random (not identity-like) weights saved as trained weights would be."""
+    module = build_module(target, 1)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.layers.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    card = {"kind": KIND, "target": target.spec, "hidden_size": 32, "vocab_size": target.vocab_size, "layers": 1}
+    save_weights(folder, trained_state(module), card)
+    return folder
+
+
+def test_building_a_module_leaves_the_target_alone(target):
+    ids = torch.tensor([PROMPT])
+    before = target.model(input_ids=ids).logits
+    module = build_module(target, 2)
+    assert module.embed_tokens is target.model.get_input_embeddings() and module.shared_head is target.model.lm_head
+    assert torch.equal(target.model(input_ids=ids).logits, before)
+    assert not getattr(target.model.config, "num_mtp_layers", None)  # the target still declares no MTP layers
+    last = target.model.model.layers[-1]
+    assert torch.equal(module.layers[1].mtp_block.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert set(trained_state(module)) == {f"layers.{k}" for k in module.layers.state_dict()}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_module_greedy_output_is_plain_greedy(target, tmp_path, k):
+    folder = module_folder(target, tmp_path / "module")
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder)))
+    assert type(drafter).__name__ == "NativeMTPDrafter"
+    cfg = DecodeConfig(max_new_tokens=30, k=k, ignore_eos=True)
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, ignore_eos=True)))
+    events = list(generate(target, PROMPT, cfg, drafter))
+    assert tokens_of(events) == plain
+    assert [e for e in events if isinstance(e, Step)][1].k == k
+
+
+def test_module_loads_in_the_targets_dtype_and_refuses_another_target(target, tmp_path, tiny_draft):
+    folder = module_folder(target, tmp_path / "module")
+    bf16 = load_model(target.spec, dtype="bfloat16")
+    module, card = load_module(folder, bf16)
+    assert card["layers"] == 1 and all(p.dtype == torch.bfloat16 for p in module.layers.parameters())
+    assert bf16.model.get_input_embeddings().weight.dtype == torch.bfloat16  # shared parts untouched
+    card = json.loads((folder / CARD_FILE).read_text())
+    (folder / CARD_FILE).write_text(json.dumps({**card, "hidden_size": 64}))
+    with pytest.raises(InputError, match="hidden size 64"):
+        load_module(folder, target)
+
+
+def test_mtp_kind_chooses_module_or_heads(target, tmp_path):
+    folder = module_folder(target, tmp_path / "module")
+    with pytest.raises(InputError, match="holds 'mtp-module' weights, not mtp-heads"):
+        build_drafter(target, DrafterSpec("mtp", draft=str(folder), mtp_kind="heads"))
+    with pytest.raises(InputError, match="mtp kind must be one of"):
+        build_drafter(target, DrafterSpec("mtp", draft=str(folder), mtp_kind="medusa"))
+    with pytest.raises(InputError, match="no MTP module trained"):
+        build_drafter(target, DrafterSpec("mtp", mtp_kind="module"))
+
+
+@pytest.mark.parametrize("tree", ["small", "large"])
+def test_module_tree_greedy_output_is_plain_greedy(target, tmp_path, tree):
+    folder = module_folder(target, tmp_path / "module")
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), tree=tree))
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, ignore_eos=True)))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
+    assert tokens_of(events) == plain
+    steps = [e for e in events if isinstance(e, Step)][1:]
+    assert len(steps[0].draft_parents) == len(tree_shape(tree).paths)
+
+
+@torch.inference_mode()
+def test_each_tree_node_is_what_its_path_would_draft_from_scratch(tiny_target, tmp_path):
+    """A node's token is the rank its path names in the distribution the module gives after that
+    path's tokens, computed without any cache over the whole context (float32)."""
+    target = load_model(tiny_target, dtype="float32")
+    folder = module_folder(target, tmp_path / "module")
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), tree="medium", draft_vocab="full"))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=12, k=3, ignore_eos=True), drafter))
+    context = PROMPT + tokens_of(events)
+    drafter.observe(context, 0, torch.zeros(0, 32))
+    proposal = drafter.propose(context, 3, SamplingConfig(), torch.Generator())
+    mtp = drafter.layers.mtp
+    below0 = target.model(input_ids=torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+    n = len(context) - 2
+
+    def from_scratch(path_tokens):
+        """The module's distribution after drafting path_tokens, recomputed from nothing."""
+        seq, below = context + path_tokens, below0
+        for d in range(1, len(path_tokens) + 2):
+            ids = torch.tensor([[seq[i + d] for i in range(n + 1)]])
+            below = mtp.forward_layer(0, below[None], torch.arange(d, n + d + 1)[None], DynamicCache(), input_ids=ids)[0]
+        return torch.softmax(mtp._project_to_logits(below[-1:][None])[0, -1].float(), -1)
+
+    for path, token in zip(proposal.ranks, proposal.token_ids.tolist()):
+        tokens = [int(proposal.token_ids[proposal.ranks.index(path[:j + 1])]) for j in range(len(path) - 1)]
+        assert int(torch.topk(from_scratch(tokens), path[-1] + 1).indices[-1]) == token, path
+
+
+# --- the corpus -------------------------------------------------------------------------------
+
+def test_splits_are_disjoint_and_the_draw_extends():
+    train, held = read_split("train"), read_split("heldout")
+    assert len(train) + len(held) == 14106 and len(held) == -(-14106 // HELDOUT_EVERY)
+    assert not {t for _, _, t in train} & {t for _, _, t in held}
+    assert drawn("train", 50, 0)[:20] == drawn("train", 20, 0)  # a larger draw extends a smaller one
+    spec = read_split("spec-bench")
+    assert len(spec) == 240 and not {t for _, _, t in spec} & {t for _, _, t in train}
+    with pytest.raises(InputError, match="unknown corpus split"):
+        read_split("test")
+
+
+@torch.inference_mode()
+def test_corpus_rows_are_the_targets_own_pass_and_shards_resume(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
+    cfg = CorpusConfig(prompts=6, max_new_tokens=6, batch_size=4, top_logits=4)
+    shards = build_corpus(target, cfg, progress=False)
+    seqs = load_corpus(shards)
+    assert len(seqs) == 6 and len(shards) == 2
+    s = seqs[0]
+    assert 0 < s.answer_len <= 6 and s.hidden.shape == (len(s.ids), 32) and s.top_ids.shape == (len(s.ids), 4)
+    out = target.model(input_ids=s.ids[None].long(), output_hidden_states=True)
+    assert torch.allclose(s.hidden.float(), out.hidden_states[-1][0].float(), atol=0.05)  # (stored in bfloat16)
+    assert torch.equal(s.top_ids[:, 0].long(), out.logits[0].argmax(-1))
+    # the answer is the target's greedy continuation of the prompt
+    plain = tokens_of(generate(target, s.ids[:s.prompt_len].tolist(), DecodeConfig(max_new_tokens=s.answer_len)))
+    assert plain == s.ids[s.prompt_len:].tolist()
+    stamps = {p: p.stat().st_mtime_ns for p in shards}
+    again = build_corpus(target, cfg, progress=False)
+    assert again == shards and all(p.stat().st_mtime_ns == stamps[p] for p in shards)  # nothing re-answered
+    more = build_corpus(target, CorpusConfig(prompts=10, max_new_tokens=6, batch_size=4, top_logits=4), progress=False)
+    assert len(load_corpus(more)) == 10
+
+
+# --- the trainer --------------------------------------------------------------------------------
+
+def test_evaluated_acceptance_is_what_decoding_with_the_module_accepts(tiny_target, tmp_path, monkeypatch):
+    """The trainer's teacher-forced chain acceptance, anchor by anchor, is what the engine's
+    decoding with the same module accepts at each step (float32, so both see the same argmax)."""
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
+    target = load_model(tiny_target, dtype="float32")
+    seqs = load_corpus(build_corpus(target, CorpusConfig(prompts=4, max_new_tokens=40, batch_size=4, top_logits=4),
+                                    progress=False))
+    out = tmp_path / "module"  # a module fitted to these very answers, so chains get accepted
+    train_module(target, seqs, {}, ModuleConfig(depths=3, steps=60, batch_positions=256, lr=3e-3), out, "test", {},
+                 progress=False)
+    module, _ = load_module(out, target)
+    vocab = load_vocabulary(out)
+    weight = target.model.get_output_embeddings().weight[vocab].float()
+    report = evaluate(module, weight, vocab, seqs, 3, min(target.eos_token_ids), autocast=False, per_anchor=True)
+    compared = accepted = 0
+    for s, per_anchor in zip(seqs, report["per_anchor"]):
+        prompt = s.ids[:s.prompt_len].tolist()
+        drafter = build_drafter(target, DrafterSpec("mtp", draft=str(out)))  # a drafter per run (it keeps caches)
+        events = list(generate(target, prompt, DecodeConfig(max_new_tokens=s.answer_len, k=3), drafter))
+        assert tokens_of(events) == s.ids[s.prompt_len:].tolist()
+        for step in [e for e in events if isinstance(e, Step)][1:]:
+            anchor = step.kv_len_before - 1  # the row whose hidden state chose the context's last token
+            if step.k == 3 and anchor + 4 < len(s.ids):  # a whole chain inside the answer
+                assert per_anchor[anchor] == step.accepted, (anchor, per_anchor[anchor], step.accepted)
+                compared += 1
+                accepted += step.accepted
+    assert compared >= 5 and accepted > 0  # chains were compared, and some drafts were accepted
+
+
+def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
+    from engine.train.__main__ import main
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "module"
+    args = ["mtp-module", "--model", tiny_target, "--prompts", "12", "--heldout", "4", "--spec-bench", "6",
+            "--max-new-tokens", "8", "--data-batch", "4", "--steps", "8", "--batch-positions", "256",
+            "--depths", "3", "--out", str(out), "--dtype", "float32", "--quiet"]
+    assert main(args) == 0
+    card = json.loads((out / CARD_FILE).read_text())
+    assert card["kind"] == KIND and card["layers"] == 1 and card["training"]["steps"] == 8
+    assert set(card["evaluation"]) == {"heldout", "spec_bench"}
+    assert len(card["evaluation"]["spec_bench"]["top1"]) == 3 and card["data"]["train"]["sequences"] == 12
+    assert 0 < card["data"]["eval_spec_bench"]["sequences"] <= 6  # (prompts over 512 tokens are skipped)
+    target = load_model(tiny_target)
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, ignore_eos=True)))
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(out)))
+    assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
+    vocab = drafting_vocabulary(load_corpus(sorted((tmp_path / "cache").glob("train/corpus-*/train-*.pt"))), target.vocab_size)
+    assert card["draft_vocabulary"]["tokens"] == len(vocab)
