@@ -218,3 +218,13 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
     vocab = drafting_vocabulary(load_corpus(sorted((tmp_path / "cache").glob("train/corpus-*/train-*.pt"))), target.vocab_size)
     assert card["draft_vocabulary"]["tokens"] == len(vocab)
+
+
+def test_a_time_budget_sets_the_number_of_steps(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
+    target = load_model(tiny_target, dtype="float32")
+    seqs = load_corpus(build_corpus(target, CorpusConfig(prompts=4, max_new_tokens=8, batch_size=4, top_logits=4),
+                                    progress=False))
+    card = train_module(target, seqs, {}, ModuleConfig(depths=2, steps=10**6, batch_positions=128, minutes=0.02),
+                        tmp_path / "module", "test", {}, progress=False)
+    assert 5 < card["training"]["steps_run"] < 10**4  # about 1.2 s of steps, not the million asked for

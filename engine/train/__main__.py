@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     module.add_argument("--steps", type=int, default=ModuleConfig.steps)
     module.add_argument("--batch-positions", type=int, default=ModuleConfig.batch_positions)
     module.add_argument("--lr", type=float, default=ModuleConfig.lr)
+    module.add_argument("--minutes", type=float, default=0.0,
+                        help="a training time budget: the first steps are timed and --steps set to fit it")
     return parser
 
 
@@ -109,7 +111,7 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     info = {"prompts_file": "engine/train/train_prompts.jsonl", "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
             "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
-                       lr=args.lr, seed=args.seed)
+                       lr=args.lr, seed=args.seed, minutes=args.minutes)
     evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
     card = train_module(target, data["train"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
                         info, progress)

@@ -41,6 +41,9 @@ from engine.train.common import FIRST_IDS, cosine_lr, seed_everything
 from engine.train.corpus import Sequence, corpus_stats
 
 
+CALIBRATION_STEPS = 5  # with a time budget: steps timed before the schedule's length is fixed
+
+
 @dataclass(frozen=True)
 class ModuleConfig:
     layers: int = 1
@@ -51,6 +54,7 @@ class ModuleConfig:
     warmup: int = 50
     seed: int = 0
     checkpoint_every: int = 100
+    minutes: float = 0.0  # > 0: a time budget; the first steps are timed and `steps` set to fit it
 
 
 def drafting_vocabulary(seqs: list[Sequence], vocab_size: int, top: int = 4, first_ids: int = FIRST_IDS) -> torch.Tensor:
@@ -216,7 +220,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
     weight = target.model.get_output_embeddings().weight.detach()[vocab].float()  # (S, H), frozen
     params = list(module.layers.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    start, seconds = 0, 0.0
+    start, seconds, steps = 0, 0.0, cfg.steps
     ckpt = _checkpoint_path(cfg, target, out)
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
@@ -224,13 +228,19 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
         start, seconds = state["step"], state["seconds"]
+        steps = state["steps"]
     before = {name: evaluate(module, weight, vocab, seqs, cfg.depths, pad) for name, seqs in evals.items()} if start == 0 else None
-    bar = tqdm(range(start, cfg.steps), desc="mtp-module", unit="step", disable=not progress, initial=start, total=cfg.steps)
+    calibrate = CALIBRATION_STEPS if cfg.minutes > 0 and start == 0 else 0
+    bar = tqdm(total=steps, desc="mtp-module", unit="step", disable=not progress, initial=start)
     loss = torch.tensor(float("nan"))
     begin = time.perf_counter()
-    for step in bar:
+    step = start
+    while step < steps:
+        if calibrate and step == calibrate:  # the time budget fixes the schedule's length
+            steps = max(calibrate + 1, int(cfg.minutes * 60 / ((time.perf_counter() - begin) / calibrate)))
+            bar.total = steps
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
+            group["lr"] = cosine_lr(step, steps, cfg.lr, cfg.warmup)
         order, positions = [], 0
         while positions < cfg.batch_positions:
             i = int(torch.randint(0, len(train), (1,), generator=gen))
@@ -244,11 +254,15 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+        bar.update()
+        step += 1
+        if step % cfg.checkpoint_every == 0 and step < steps:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"layers": module.layers.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "step": step + 1, "seconds": seconds + time.perf_counter() - begin}, ckpt.with_suffix(".tmp"))
+                        "step": step, "steps": steps, "seconds": seconds + time.perf_counter() - begin},
+                       ckpt.with_suffix(".tmp"))
             ckpt.with_suffix(".tmp").replace(ckpt)
+    bar.close()
     seconds += time.perf_counter() - begin
     after = {name: evaluate(module, weight, vocab, seqs, cfg.depths, pad) for name, seqs in evals.items()}
     card = {
@@ -264,7 +278,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         "storage": "float16 safetensors: the MTP layers only; embedding, LM head and rotary come from the target",
         "command": command,
         "data": {**data_info, "train": corpus_stats(train), **{f"eval_{k}": corpus_stats(v) for k, v in evals.items()}},
-        "training": {**asdict(cfg), "final_loss": round(float(loss), 4), "train_s": round(seconds, 1),
+        "training": {**asdict(cfg), "steps_run": steps, "final_loss": round(float(loss), 4), "train_s": round(seconds, 1),
                      "train_vocabulary": int(len(vocab))},
         "evaluation": after,
         "evaluation_before_training": before,
