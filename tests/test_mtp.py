@@ -375,7 +375,8 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     assert draft.model.config.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("name, kind", [("mtp-heads", "mtp-heads"), ("draft-model", "draft-model")])
+@pytest.mark.parametrize("name, kind", [("mtp-heads", "mtp-heads"), ("draft-model", "draft-model"),
+                                        ("mtp-module", "mtp-module")])
 def test_shipped_weights_match_their_cards(name, kind):
     folder = WEIGHTS_DIR / name
     card = json.loads((folder / CARD_FILE).read_text())
@@ -383,6 +384,16 @@ def test_shipped_weights_match_their_cards(name, kind):
     hidden = card["hidden_size"]
     assert card["kind"] == kind and card["target"] == presets()["embedded"].target
     assert all(t.dtype == torch.float16 for t in weights.values())
+    if kind == "mtp-module":
+        assert {k.split(".")[1] for k in weights} == {str(i) for i in range(card["layers"])}
+        assert weights["layers.0.eh_proj.weight"].shape == (hidden, 2 * hidden)
+        for split in ("heldout", "spec_bench"):
+            after, before = card["evaluation"][split], card["evaluation_before_training"][split]
+            assert len(after["top1"]) == card["training"]["depths"] and after["top1"][0] > before["top1"][0]
+            assert after[f"mean_acceptance_length_k{card['training']['depths']}"] > 1
+        assert card["data"]["train"]["answer_positions"] > 100_000 and card["training"]["steps_run"] > 0
+        assert find_weights(kind, card["target"]) == folder and len(load_vocabulary(folder)) == card["draft_vocabulary"]["tokens"]
+        return
     if kind == "mtp-heads":
         assert set(weights) == {f"blocks.{i}.linear.{p}" for i in range(card["heads"]) for p in ("weight", "bias")}
         assert weights["blocks.0.linear.weight"].shape == (hidden, hidden)
@@ -400,7 +411,8 @@ def test_shipped_weights_match_their_cards(name, kind):
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("spec", [DrafterSpec("mtp"), DrafterSpec("mtp", tree="medium"), DrafterSpec("draft-model"),
+@pytest.mark.parametrize("spec", [DrafterSpec("mtp"), DrafterSpec("mtp", tree="medium"), DrafterSpec("mtp", mtp_kind="heads"),
+                                  DrafterSpec("mtp", mtp_kind="module", tree="small"), DrafterSpec("draft-model"),
                                   DrafterSpec("draft-model", draft_vocab="full")])
 def test_shipped_drafters_are_exact_on_the_embedded_model(embedded, spec):
     ids = embedded.encode("Explain in two sentences why the sky is blue.")

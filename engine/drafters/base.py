@@ -74,7 +74,7 @@ class DrafterSpec:
     draft_vocab: str = "trained"
     # mtp: which MTP module drafts. "auto": the target's own MTP layers if its config declares
     # them, else a trained DeepSeek-style module (engine/mtp/module.py) if one is shipped for it
-    # (chains), else trained Medusa-style heads (and always the heads for a tree). "module" or
+    # (chains; trees take the shipped heads first), else trained Medusa-style heads. "module" or
     # "heads" asks for one kind.
     mtp_kind: str = "auto"
 

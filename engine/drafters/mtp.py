@@ -111,7 +111,10 @@ def _weights_folder(target: LoadedModel, spec: DrafterSpec) -> tuple[Path, str]:
         if kind not in (KIND, MODULE_KIND) or (wanted and kind != wanted):
             raise InputError(f"{folder} holds {kind!r} weights, not {wanted or 'MTP heads or an MTP module'}")
         return folder, kind
-    kinds = {"module": (MODULE_KIND,), "heads": (KIND,)}.get(spec.mtp_kind) or (MODULE_KIND, KIND)
+    # auto: the module for a chain; the heads for a tree while they are shipped (the playground's
+    # tree view shows the heads' per-depth candidates; mtp:kind=module drafts module trees)
+    kinds = {"module": (MODULE_KIND,), "heads": (KIND,)}.get(spec.mtp_kind) or (
+        (KIND, MODULE_KIND) if spec.tree else (MODULE_KIND, KIND))
     for kind in kinds:
         folder = find_weights(kind, target.spec)
         if folder is not None:
