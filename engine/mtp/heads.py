@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.errors import InputError
 from engine.models import LoadedModel
-from engine.mtp.weights import load_weights, read_card
+from engine.mtp.weights import load_weights, read_card_for
 
 KIND = "mtp-heads"
 
@@ -44,13 +43,7 @@ class MTPHeads(nn.Module):
 
 def load_heads(folder: Path, target: LoadedModel) -> tuple[MTPHeads, dict]:
     """Heads trained for this target's hidden size, on its device and dtype, and their card."""
-    card = read_card(folder, KIND)
-    hidden = target.model.config.get_text_config().hidden_size
-    if card["hidden_size"] != hidden or card["vocab_size"] != target.vocab_size:
-        raise InputError(
-            f"MTP heads in {folder} were trained for hidden size {card['hidden_size']} and vocabulary "
-            f"{card['vocab_size']}; this model has {hidden} and {target.vocab_size}"
-        )
-    heads = MTPHeads(hidden, card["heads"])
+    card = read_card_for(folder, KIND, target, "MTP heads")
+    heads = MTPHeads(card["hidden_size"], card["heads"])
     heads.load_state_dict(load_weights(folder, "cpu", torch.float32))
     return heads.to(target.device, target.dtype).eval().requires_grad_(False), card

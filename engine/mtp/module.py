@@ -30,7 +30,7 @@ import torch
 
 from engine.errors import InputError
 from engine.models import LoadedModel
-from engine.mtp.weights import load_weights, read_card
+from engine.mtp.weights import load_weights, read_card_for
 
 KIND = "mtp-module"
 DRAFT_ATTENTION = "sdpa"  # drafting need not be batch-invariant: the target's verification decides
@@ -85,13 +85,7 @@ def trained_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_module(folder: Path, target: LoadedModel) -> tuple[torch.nn.Module, dict]:
     """A trained module for this target, on its device and dtype, and its card."""
-    card = read_card(folder, KIND)
-    hidden = target.model.config.get_text_config().hidden_size
-    if card["hidden_size"] != hidden or card["vocab_size"] != target.vocab_size:
-        raise InputError(
-            f"the MTP module in {folder} was trained for hidden size {card['hidden_size']} and vocabulary "
-            f"{card['vocab_size']}; this model has {hidden} and {target.vocab_size}"
-        )
+    card = read_card_for(folder, KIND, target, "MTP module")
     module = build_module(target, card["layers"])
     state = {k.removeprefix("layers."): v for k, v in load_weights(folder, "cpu", torch.float32).items()}
     module.layers.load_state_dict(state, strict=True)

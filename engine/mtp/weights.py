@@ -34,6 +34,19 @@ def read_card(folder: Path, kind: str) -> dict:
     return card
 
 
+def read_card_for(folder: Path, kind: str, target, what: str) -> dict:
+    """The card of `kind` weights in folder, checked to fit this target (a LoadedModel): the
+    same hidden size and vocabulary. `what` names the weights in the error ("MTP heads")."""
+    card = read_card(folder, kind)
+    hidden = target.model.config.get_text_config().hidden_size
+    if card["hidden_size"] != hidden or card["vocab_size"] != target.vocab_size:
+        raise InputError(
+            f"the {what} in {folder} was trained for hidden size {card['hidden_size']} and vocabulary "
+            f"{card['vocab_size']}; this model has {hidden} and {target.vocab_size}"
+        )
+    return card
+
+
 def load_weights(folder: Path, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(device, dtype) for k, v in load_file(Path(folder) / WEIGHTS_FILE).items()}
 
