@@ -5,7 +5,9 @@ Typical use by the app:
 
     lessons = load_lessons()                       # tuple[Lesson, ...], in course order
     progress = new_progress()                      # a plain dict for gr.State / the browser session
-    feedback, progress = submit(progress, lesson, question.id, answer)
+    shown = shown_choices(question, seed)          # a choice question's options, in this session's order
+    given = choice_index(question, picked_text)    # a choice by its text; a numeric answer goes as typed
+    feedback, progress = submit(progress, lesson, question.id, given)
     is_answered(progress, lesson, question.id); lesson_score(progress, lesson)
     progress = reset_lesson(progress, lesson)
     cert = completion_certificate(progress, lessons, name)
@@ -21,9 +23,11 @@ from lessons.certificates import (
     to_code,
     verify,
 )
+from lessons.concepts import concept_problems
 from lessons.grading import (
     Feedback,
     Score,
+    choice_index,
     course_score,
     grade,
     is_answered,
@@ -45,8 +49,10 @@ from lessons.model import (
     Source,
     Target,
 )
+from lessons.shuffle import COURSE_SEED, option_order, shown_choices
 
 __all__ = [
+    "COURSE_SEED",
     "Certificate",
     "Choice",
     "ChoiceQuestion",
@@ -62,6 +68,8 @@ __all__ = [
     "Source",
     "Target",
     "certificate_html",
+    "choice_index",
+    "concept_problems",
     "completion_certificate",
     "course_score",
     "from_code",
@@ -72,7 +80,9 @@ __all__ = [
     "lesson_score",
     "load_lessons",
     "new_progress",
+    "option_order",
     "reset_lesson",
+    "shown_choices",
     "submit",
     "to_code",
     "validate",

@@ -68,6 +68,22 @@ def format_number(value: float, tolerance: float) -> str:
     return f"{value:.{decimals}f}"
 
 
+def choice_index(question: ChoiceQuestion, picked: object) -> int:
+    """The index (in the lesson file) of the choice a learner picked, given by its text. The app
+    shows each session the choices in its own order (lessons.shuffle), so it sends what was
+    picked, never a position. Raises InputError when nothing, or no choice's text, was sent.
+
+    >>> from lessons.model import Choice
+    >>> q = ChoiceQuestion("q", "Which phase?", (Choice("Prefill", True, ""), Choice("Decode", False, "")), ())
+    >>> choice_index(q, "Decode")
+    1
+    """
+    for i, choice in enumerate(question.choices):
+        if isinstance(picked, str) and picked == choice.text:
+            return i
+    raise InputError("pick one of the choices")
+
+
 def grade(question: Question, given: int | float | str | None) -> Feedback:
     """Grade one answer: a choice index for a multiple-choice question, a number (or its text)
     for a numeric one. Raises InputError for an answer that is not one (nothing picked, not a

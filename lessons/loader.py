@@ -3,7 +3,9 @@
 The validator is the loader run to the end: every field of every file is checked and every
 problem is reported as one line naming the file and the place, instead of stopping at the first.
 Numeric answers are never typed: a numeric question names an engine.metrics formula and its
-arguments, and the answer is computed here.
+arguments, and the answer is computed here. Once every file is valid, the course as a whole is
+checked: no question uses a concept before a lesson teaches it (lessons.concepts), and the
+options' shuffle hides where the correct one is (lessons.shuffle).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.drafters import drafter_names
 from engine.errors import InputError
 from engine.models import DTYPE_CHOICES
 from engine.run import MAX_PROMPT_CHARS
+from lessons.concepts import concept_problems
 from lessons.model import (
     POLICIES,
     SCENARIOS,
@@ -39,13 +42,15 @@ from lessons.model import (
     Source,
     Target,
 )
+from lessons.shuffle import shuffle_problems
 
 LESSONS_DIR = Path(__file__).parent
 CONTENT_DIR = LESSONS_DIR / "content"
 SOURCES_FILE = LESSONS_DIR / "sources.yaml"
 
-FORMULAS = ("expected_tokens_per_step", "predicted_speedup", "percentile")  # engine.metrics, by name
-ARG_RANGES = {"a": (0.0, 1.0), "k": (0, MAX_K), "c": (0.0, math.inf), "q": (0.0, 100.0), "verify_cost": (0.5, 50.0)}
+FORMULAS = ("expected_tokens_per_step", "predicted_speedup", "percentile", "verify_cost")  # engine.metrics, by name
+ARG_RANGES = {"a": (0.0, 1.0), "k": (0, MAX_K), "c": (0.0, math.inf), "q": (0.0, 100.0), "verify_cost": (0.5, 50.0),
+              "tokens": (1, MAX_K + 1)}
 MIN_QUESTIONS = 5
 MAX_CHOICES = 6
 MAX_CHUNK_SIZE = 8192  # the embedded model's context
@@ -113,6 +118,17 @@ class _Fields:
             return []
         return value
 
+    def concepts(self, key: str) -> tuple[str, ...]:
+        """A non-empty list of distinct concept ids, e.g. [kv-cache, ttft]."""
+        items = self.items(key)
+        bad = [c for c in items if not isinstance(c, str) or not SLUG.fullmatch(c)]
+        if bad:
+            self.problem(f"{key}: concept ids must be lower-case words joined by '-' (got {', '.join(map(repr, bad))})")
+        dups = sorted({c for c in items if isinstance(c, str) and items.count(c) > 1})
+        if dups:
+            self.problem(f"{key}: {', '.join(map(repr, dups))} listed twice")
+        return tuple(c for c in items if isinstance(c, str))
+
 
 def load_sources(path: Path = SOURCES_FILE) -> dict[str, Source]:
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -135,7 +151,7 @@ def _choice_question(f: _Fields, qid: str) -> ChoiceQuestion:
     texts = [c.text for c in choices]
     if len(set(texts)) != len(texts):
         f.problem("two choices have the same text")
-    return ChoiceQuestion(qid, f.text("prompt"), choices)
+    return ChoiceQuestion(qid, f.text("prompt"), choices, f.concepts("uses"))
 
 
 def _check_arg(fn_name: str, name: str, value: object, hint: object, f: _Fields) -> float | int | tuple[float, ...]:
@@ -236,15 +252,17 @@ def _numeric_question(f: _Fields, qid: str) -> NumericQuestion:
         f.problem(f"tolerance {tolerance} is too loose for the answer {answer:.6g} (at most 5%)")
     prompt = _fill("prompt", args, f, every_given=True)
     explanation = _fill("explanation", args, f, every_given=False)
-    return NumericQuestion(qid, prompt, name, args, answer if answer is not None else math.nan, tolerance, explanation)
+    return NumericQuestion(qid, prompt, name, args, answer if answer is not None else math.nan, tolerance, explanation,
+                           f.concepts("uses"))
 
 
 def _question(data: object, where: str, problems: list[str]) -> Question | None:
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "choice":
-        f = _Fields(data, where, problems, ("id", "kind", "prompt", "choices"))
+        f = _Fields(data, where, problems, ("id", "kind", "prompt", "choices", "uses"))
     elif kind == "numeric":
-        f = _Fields(data, where, problems, ("id", "kind", "prompt", "formula", "args", "tolerance", "explanation", "answer"))
+        f = _Fields(data, where, problems,
+                    ("id", "kind", "prompt", "formula", "args", "tolerance", "explanation", "answer", "uses"))
     else:
         problems.append(f"{where}: kind must be choice or numeric (got {kind!r})")
         return None
@@ -337,7 +355,7 @@ def _sources(f: _Fields, body: str, known: dict[str, Source]) -> tuple[Source, .
 def _parse_lesson(data: object, where: str, problems: list[str], sources: dict[str, Source]) -> Lesson | None:
     """One lesson from its parsed YAML; appends every problem found to `problems`."""
     n_before = len(problems)
-    allowed = ("id", "title", "order", "summary", "body", "sources", "questions", "try_it")
+    allowed = ("id", "title", "order", "summary", "teaches", "body", "sources", "questions", "try_it")
     f = _Fields(data, where, problems, allowed)
     lesson_id = f.text("id")
     if lesson_id and not SLUG.fullmatch(lesson_id):
@@ -356,6 +374,7 @@ def _parse_lesson(data: object, where: str, problems: list[str], sources: dict[s
         title=f.text("title"),
         order=f.integer("order", 1, 1000),
         summary=f.text("summary"),
+        teaches=f.concepts("teaches"),
         body=body,
         sources=_sources(f, body, sources),
         questions=tuple(q for q in questions if q is not None),
@@ -392,6 +411,8 @@ def _load_all(folder: Path) -> tuple[list[Lesson], list[str]]:
         values = [getattr(lesson, attr) for lesson in lessons]
         for dup in sorted({v for v in values if values.count(v) > 1}):
             problems.append(f"{folder}: lesson {attr} {dup!r} is used by more than one lesson")
+    if not problems:  # the course as a whole; with a file missing, its concepts would look untaught
+        problems += [f"{folder.name}: {p}" for p in concept_problems(lessons) + shuffle_problems(lessons)]
     return sorted(lessons, key=lambda lesson: lesson.order), problems
 
 

@@ -2,7 +2,9 @@
 
 A lesson is a markdown body citing its sources, quiz questions (multiple choice, or numeric
 with the answer computed by an engine formula) and "try it" presets that open the playground
-or the chunked-prefill tab with given settings.
+or the chunked-prefill tab with given settings. Concepts are data too: a lesson names the
+concepts it teaches and a question the concepts it uses, so the course can be checked never to
+ask about an idea before teaching it (lessons.concepts).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class Choice:
 class ChoiceQuestion:
     id: str
     prompt: str
-    choices: tuple[Choice, ...]  # exactly one is correct
+    choices: tuple[Choice, ...]  # exactly one is correct; the learner sees them shuffled (lessons.shuffle)
+    uses: tuple[str, ...]  # the concepts a learner needs to answer; each taught by this or an earlier lesson
 
     @property
     def correct_index(self) -> int:
@@ -57,6 +60,7 @@ class NumericQuestion:
     answer: float  # engine.metrics.<formula>(**args), computed by the loader, never typed
     tolerance: float  # absolute
     explanation: str
+    uses: tuple[str, ...]  # as ChoiceQuestion.uses
 
 
 Question = ChoiceQuestion | NumericQuestion
@@ -120,6 +124,7 @@ class Lesson:
     title: str
     order: int  # position in the course, from 1
     summary: str  # one line for the lesson list
+    teaches: tuple[str, ...]  # the concepts this lesson introduces (ids such as "kv-cache"); each is taught once
     body: str  # markdown
     sources: tuple[Source, ...]
     questions: tuple[Question, ...]

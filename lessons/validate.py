@@ -1,4 +1,7 @@
-"""`python -m lessons.validate`: check every lesson; one line per problem, exit 1 if any."""
+"""`python -m lessons.validate`: check every lesson; one line per problem, exit 1 if any.
+
+Besides each file's fields, the course as a whole: no question uses a concept before its lesson
+teaches it, and the per-session shuffle of options hides where the correct one is."""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ def main(folder: Path = CONTENT_DIR) -> int:
         print("\n".join(err.problems))
         return 1
     n_questions = sum(len(lesson.questions) for lesson in lessons)
-    print(f"{len(lessons)} lessons, {n_questions} questions: all valid")
+    n_concepts = sum(len(lesson.teaches) for lesson in lessons)
+    print(f"{len(lessons)} lessons, {n_questions} questions, {n_concepts} concepts: all valid")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Lessons: the shipped lessons validate, the validator catches broken ones, grading, progress,
-and certificates (issue, verify, tampering, hostile names)."""
+"""Lessons: the shipped lessons validate, the validator catches broken ones, concepts (no
+question before its lesson), the per-session order of options, grading, progress, and
+certificates (issue, verify, tampering, hostile names)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,31 @@ import copy
 import dataclasses
 import datetime as dt
 import json
+import os
+import shutil
 import stat
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
+import yaml
 
 from engine import metrics
 from engine.errors import InputError
 from lessons import (
+    COURSE_SEED,
+    Choice,
     ChoiceQuestion,
+    LessonError,
     NumericQuestion,
     PlaygroundPreset,
     Score,
     certificate_html,
+    choice_index,
     completion_certificate,
+    concept_problems,
     course_score,
     from_code,
     grade,
@@ -29,12 +42,16 @@ from lessons import (
     lesson_score,
     load_lessons,
     new_progress,
+    option_order,
     reset_lesson,
+    shown_choices,
     submit,
     to_code,
     validate,
     verify,
 )
+from lessons.loader import CONTENT_DIR
+from lessons.shuffle import MAX_POSITION_SHARE, correct_position, shuffle_problems
 from lessons.validate import main as validate_main
 
 TOPICS = (
@@ -120,12 +137,14 @@ def choice(text, correct=False, explanation="Because."):
 def valid_lesson() -> dict:
     mc = {
         "kind": "choice",
+        "uses": ["prefill"],
         "prompt": "Which phase produces the first output token?",
         "choices": [choice("Prefill", correct=True), choice("Decode")],
     }
     numeric = {
         "id": "tokens",
         "kind": "numeric",
+        "uses": ["expected-tokens"],
         "prompt": "a = {a}, k = {k}: expected tokens per step?",
         "formula": "expected_tokens_per_step",
         "args": {"a": 0.8, "k": 4},
@@ -137,6 +156,7 @@ def valid_lesson() -> dict:
         "title": "A test lesson",
         "order": 1,
         "summary": "For the validator tests.",
+        "teaches": ["prefill", "expected-tokens"],
         "body": "Speculative decoding (Leviathan et al. 2023).",
         "sources": ["leviathan2023"],
         "questions": [{**mc, "id": f"q{i}"} for i in range(4)] + [numeric],
@@ -181,6 +201,21 @@ BROKEN = {
         "2 choices are marked correct",
     ),
     "no correct answer": (lambda d: _set_choices(d, [choice("A"), choice("B")]), "0 choices are marked correct"),
+    "a single choice, nothing to shuffle": (
+        lambda d: _set_choices(d, [choice("A", True)]),
+        "needs 2..6 choices (has 1)",
+    ),
+    "question without concepts": (lambda d: d["questions"][0].pop("uses"), "questions[0]: uses must be a non-empty list"),
+    "numeric question without concepts": (
+        lambda d: d["questions"][4].update(uses=[]),
+        "questions[4]: uses must be a non-empty list",
+    ),
+    "lesson without concepts": (lambda d: d.pop("teaches"), "teaches must be a non-empty list"),
+    "concept id not a slug": (lambda d: d["teaches"].append("KV Cache"), "teaches: concept ids must be lower-case words"),
+    "concept listed twice": (
+        lambda d: d["questions"][0].update(uses=["prefill", "prefill"]),
+        "uses: 'prefill' listed twice",
+    ),
     "missing explanation": (
         lambda d: _set_choices(d, [choice("A", True), {"text": "B", "correct": False}]),
         "choices[1]: explanation must be non-empty text",
@@ -197,7 +232,7 @@ BROKEN = {
     ),
     "formula not allowed": (
         lambda d: d["questions"][4].update(formula="__import__"),
-        "formula must be one of expected_tokens_per_step, predicted_speedup, percentile",
+        "formula must be one of expected_tokens_per_step, predicted_speedup, percentile, verify_cost",
     ),
     "acceptance rate above 1": (lambda d: d["questions"][4]["args"].update(a=1.5), "argument a = 1.5 is outside 0.0..1.0"),
     "argument of the wrong type": (lambda d: d["questions"][4]["args"].update(k=2.5), "argument k must be an integer"),
@@ -236,6 +271,240 @@ def test_policy_none_takes_no_chunk_size():
     assert any("remove chunk_size" in p for p in lesson_problems(data))
     del data["try_it"][1]["settings"]["chunk_size"]
     assert lesson_problems(data) == []
+
+
+# -- concepts: no question before its lesson ---------------------------------------------------
+
+
+def test_every_lesson_teaches_and_every_question_uses_concepts(lessons):
+    assert concept_problems(lessons) == []
+    taught = [c for lesson in lessons for c in lesson.teaches]
+    assert len(taught) == len(set(taught))  # each concept introduced once
+    for lesson in lessons:
+        assert lesson.teaches, lesson.id
+        for q in lesson.questions:
+            assert q.uses, (lesson.id, q.id)
+    by_id = {lesson.id: lesson for lesson in lessons}
+    assert {"kv-cache", "ttft", "itl", "memory-bound", "verify-cost"} <= set(by_id["prefill-vs-decode"].teaches)
+    assert {"expected-tokens", "speedup-formula", "verify-curve"} <= set(by_id["acceptance-and-speedup"].teaches)
+
+
+def test_the_first_lesson_asks_no_formula_of_later_lessons(lessons):
+    """Issue 15: lesson 1 asked for the tokens-per-step formula of lesson 5 (and lesson 3 asked it too)."""
+    first, greedy = lessons[0], lessons[2]
+    assert all(q.formula not in ("expected_tokens_per_step", "predicted_speedup")
+               for q in first.questions if isinstance(q, NumericQuestion))
+    assert not any("expected-tokens" in q.uses or "speedup-formula" in q.uses
+                   for lesson in (first, greedy) for q in lesson.questions)
+    assert "typical-step" not in {q.id for q in greedy.questions}
+
+
+def _replace_question(lessons, lesson_index, question_index, **changes):
+    lesson = lessons[lesson_index]
+    questions = list(lesson.questions)
+    questions[question_index] = dataclasses.replace(questions[question_index], **changes)
+    changed = dataclasses.replace(lesson, questions=tuple(questions))
+    return (*lessons[:lesson_index], changed, *lessons[lesson_index + 1:])
+
+
+def test_a_question_using_a_later_or_untaught_concept_is_refused(lessons):
+    q = lessons[0].questions[0]
+    early = _replace_question(lessons, 0, 0, uses=("prefill", "speedup-formula"))
+    assert concept_problems(early) == [
+        f"lesson 1 (prefill-vs-decode), question {q.id!r}: uses concept 'speedup-formula', which only "
+        "lesson 5 (acceptance-and-speedup) teaches, later; move the question there or teach the concept "
+        "in lesson 1 or before"]
+    untaught = _replace_question(lessons, 2, 0, uses=("telepathy",))
+    assert concept_problems(untaught) == [
+        f"lesson 3 (greedy-speculation), question {lessons[2].questions[0].id!r}: uses concept 'telepathy', "
+        "which no lesson teaches"]
+    same_lesson = _replace_question(lessons, 4, 0, uses=("verify-curve",))  # taught by its own lesson: fine
+    assert concept_problems(same_lesson) == []
+
+
+def test_a_concept_is_taught_once(lessons):
+    twice = (*lessons[:4], dataclasses.replace(lessons[4], teaches=(*lessons[4].teaches, "kv-cache")), *lessons[5:])
+    assert concept_problems(twice) == [
+        "lesson 5 (acceptance-and-speedup): teaches 'kv-cache', which lesson 1 (prefill-vs-decode) already "
+        "teaches; a concept is taught once, by the lesson that introduces it"]
+
+
+@pytest.fixture
+def course_copy(tmp_path):
+    """The shipped lesson files in a folder of their own, to break."""
+    folder = tmp_path / "content"
+    shutil.copytree(CONTENT_DIR, folder)
+    return folder
+
+
+def _edit_lesson(folder: Path, name: str, change) -> None:
+    path = next(folder.glob(f"*-{name}.yaml"))
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    change(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
+
+
+def test_the_loader_refuses_the_old_lesson_one_question(course_copy, capsys):
+    """The question lesson 1 used to ask (the expected-tokens formula at k = 0) is refused, naming
+    the lesson, the question and the concept; the same for a concept no lesson teaches."""
+    old = {"id": "plain-is-k-zero", "kind": "numeric", "uses": ["expected-tokens", "acceptance-rate"],
+           "prompt": "Draft length k = {k}, acceptance rate a = {a}: tokens per target step?",
+           "formula": "expected_tokens_per_step", "args": {"a": 0.7, "k": 0}, "tolerance": 0.01,
+           "explanation": "1 whatever a is."}
+    assert validate(course_copy) == []
+    _edit_lesson(course_copy, "prefill-vs-decode", lambda d: d["questions"].append(old))
+    problems = validate(course_copy)
+    assert problems == [
+        "content: lesson 1 (prefill-vs-decode), question 'plain-is-k-zero': uses concept 'expected-tokens', "
+        "which only lesson 5 (acceptance-and-speedup) teaches, later; move the question there or teach the "
+        "concept in lesson 1 or before",
+        "content: lesson 1 (prefill-vs-decode), question 'plain-is-k-zero': uses concept 'acceptance-rate', "
+        "which only lesson 3 (greedy-speculation) teaches, later; move the question there or teach the "
+        "concept in lesson 1 or before"]
+    with pytest.raises(LessonError):
+        load_lessons(course_copy)
+    assert validate_main(course_copy) == 1
+    assert "plain-is-k-zero" in capsys.readouterr().out
+    _edit_lesson(course_copy, "prefill-vs-decode", lambda d: d["questions"].pop())
+    _edit_lesson(course_copy, "quality-gates", lambda d: d["questions"][0]["uses"].append("mind-reading"))
+    assert validate(course_copy) == ["content: lesson 8 (quality-gates), question 'greedy-gate': uses concept "
+                                     "'mind-reading', which no lesson teaches"]
+
+
+# -- the order of options: shuffled per session, graded by text ---------------------------------
+
+
+def _choice_questions(lessons):
+    return [q for lesson in lessons for q in lesson.questions if isinstance(q, ChoiceQuestion)]
+
+
+SESSIONS = ("session-a", "session-b", "8x2kq9xk1", COURSE_SEED, 1, 2)
+
+
+def test_option_order_is_a_permutation_fixed_by_the_seed(lessons):
+    for q in _choice_questions(lessons):
+        for seed in SESSIONS:
+            order = option_order(q, seed)
+            assert sorted(order) == list(range(len(q.choices))), q.id
+            assert option_order(q, seed) == order
+            assert shown_choices(q, seed) == [q.choices[i].text for i in order]
+
+
+def test_option_order_is_the_same_in_another_process(lessons):
+    """The seed is a session id (a string): its shuffle must not depend on Python's hash seed."""
+    q = _choice_questions(lessons)[0]
+    code = ("from lessons import load_lessons, option_order, ChoiceQuestion;"
+            f"q = next(q for l in load_lessons() for q in l.questions if q.id == {q.id!r});"
+            "print(option_order(q, 'session-a'))")
+    hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # not this process's
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": hash_seed}, cwd=CONTENT_DIR.parents[1]).stdout
+    assert out.strip() == str(option_order(q, "session-a"))
+
+
+def test_two_sessions_see_different_orders(lessons):
+    questions = _choice_questions(lessons)
+    for a, b in (("session-a", "session-b"), (0, 1), ("8x2kq9xk1", COURSE_SEED)):
+        differing = [q.id for q in questions if option_order(q, a) != option_order(q, b)]
+        assert len(differing) >= len(questions) // 2, (a, b, differing)
+
+
+def test_the_correct_option_is_not_always_first(lessons):
+    """The files list the correct option first; on screen it must not always be."""
+    questions = _choice_questions(lessons)
+    assert shuffle_problems(lessons) == []
+    for seed in SESSIONS:
+        positions = Counter(correct_position(q, seed) for q in questions)
+        assert positions[0] < len(questions), seed
+        assert len(positions) >= 2, seed
+    at_course_seed = Counter(correct_position(q, COURSE_SEED) for q in questions)
+    assert max(at_course_seed.values()) <= MAX_POSITION_SHARE * len(questions)
+
+
+def test_always_picking_the_first_shown_option_does_not_pass(lessons):
+    """Issue 15: picking the first option everywhere scored 7/7. Now a learner who always picks the
+    first option on screen gets only some choice questions right."""
+    questions = _choice_questions(lessons)
+    for seed in SESSIONS:
+        progress = new_progress()
+        for lesson in lessons:
+            for q in lesson.questions:
+                if isinstance(q, ChoiceQuestion):
+                    _, progress = submit(progress, lesson, q.id, choice_index(q, shown_choices(q, seed)[0]))
+        score = course_score(progress, lessons)
+        assert score.answered == len(questions)
+        assert score.correct <= 0.6 * len(questions), (seed, score)
+
+
+def test_grading_by_text_is_grading_by_the_original_index(lessons):
+    for q in _choice_questions(lessons):
+        for seed in SESSIONS:
+            shown = shown_choices(q, seed)
+            for position, text in enumerate(shown):
+                index = choice_index(q, text)
+                assert index == option_order(q, seed)[position]
+                assert grade(q, index) == grade(q, q.choices.index(next(c for c in q.choices if c.text == text)))
+                assert grade(q, index).correct == (index == q.correct_index)
+            assert grade(q, choice_index(q, shown[correct_position(q, seed)])).correct
+    q = lessons[0].question("first-token")
+    for not_a_choice in (None, 0, 1, "0", "", "prefill", q.choices[0].text + " "):  # positions say nothing
+        with pytest.raises(InputError, match="pick one of the choices"):
+            choice_index(q, not_a_choice)
+
+
+def _choice_on_top(qid: str, n: int, seed) -> dict:
+    """A choice question whose correct option the session `seed` sees first."""
+    probe = ChoiceQuestion(qid, "?", tuple(Choice(str(i), i == 0, "") for i in range(n)), ())
+    first = option_order(probe, seed)[0]
+    return {"id": qid, "kind": "choice", "uses": ["prefill"], "prompt": "Which one?",
+            "choices": [choice(f"option {i}", correct=i == first) for i in range(n)]}
+
+
+def test_shuffle_problems_catch_a_shuffle_that_leaves_the_answers_first(lessons, tmp_path):
+    assert shuffle_problems(lessons, seed=COURSE_SEED) == []
+    data = valid_lesson()
+    data["questions"] = [_choice_on_top(f"q{i}", 3, COURSE_SEED) for i in range(4)] + [data["questions"][4]]
+    (tmp_path / "01-on-top.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert validate(tmp_path) == [f"{tmp_path.name}: with seed 0 the correct option shows at position 1 in 4 of "
+                                  "4 choice questions (at most 50%): always picking that position would pass"]
+
+
+# -- the lessons' text: when verifying costs about one step ---------------------------------------
+
+
+def _texts(lesson) -> list[str]:
+    texts = [lesson.body]
+    for q in lesson.questions:
+        texts.append(q.prompt)
+        texts += [t for c in q.choices for t in (c.text, c.explanation)] if isinstance(q, ChoiceQuestion) \
+            else [q.explanation]
+    return [" ".join(t.split()) for t in texts]
+
+
+def test_no_lesson_calls_verification_free(lessons):
+    """"Verifying costs about one step" holds only where a step is memory-bound; the lessons once
+    called verification free without that condition."""
+    for lesson in lessons:
+        for text in _texts(lesson):
+            for phrase in ("free verification", "verification is free", "verification not being quite free"):
+                assert phrase not in text, (lesson.id, phrase)
+
+
+def test_lessons_state_when_verifying_costs_one_step_and_the_float32_counterexample(lessons):
+    by_id = {lesson.id: lesson for lesson in lessons}
+    first = " ".join(by_id["prefill-vs-decode"].body.split())
+    assert "holds only where the step is memory-bound" in first
+    assert "bfloat16 on this lab's CPU" in first and "1.0-1.1x" in first
+    assert "float32 on the same CPU" in first and "1.2-1.8x" in first
+    greedy = " ".join(by_id["greedy-speculation"].body.split())
+    assert "While the target is memory-bound (a GPU, or bfloat16 on this lab's CPU)" in greedy
+    assert "float32 on the same CPU it measured 1.2-1.8x" in greedy
+    speedup = " ".join(by_id["acceptance-and-speedup"].body.split())
+    assert "1.0-1.1x" in speedup and "1.2-1.8x" in speedup
+    counterexample = by_id["prefill-vs-decode"].question("float32-verify-cost")
+    args = {k: list(v) if isinstance(v, tuple) else v for k, v in counterexample.args}
+    assert counterexample.answer == metrics.verify_cost(**args)
+    assert 1.2 <= counterexample.answer <= 1.8 and "float32" in counterexample.prompt
 
 
 # -- grading and progress ---------------------------------------------------------------------

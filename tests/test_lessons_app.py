@@ -1,8 +1,10 @@
 """The Lessons tab as learners reach it: the real app, driven through its API client.
 
-Answers are graded on the server with instant feedback, a score and a retry; the certificate is
-issued only after every question and verified (a tampered or foreign one is rejected); every
-"try it" preset fills its tab with settings that tab accepts, and one runs live on the model.
+Answers are graded on the server with instant feedback, a score and a retry; each session sees
+the options of a choice question in its own order and answers by the option's text, never by its
+position; the certificate is issued only after every question and verified (a tampered or foreign
+one is rejected); every "try it" preset fills its tab with settings that tab accepts, and one runs
+live on the model.
 """
 
 import dataclasses
@@ -12,7 +14,17 @@ import pytest
 from gradio_client import Client
 
 from apphelpers import running_app
-from lessons import ChoiceQuestion, NumericQuestion, PlaygroundPreset, from_code, issue, load_lessons, to_code
+from lessons import (
+    COURSE_SEED,
+    ChoiceQuestion,
+    NumericQuestion,
+    PlaygroundPreset,
+    from_code,
+    issue,
+    load_lessons,
+    shown_choices,
+    to_code,
+)
 from ui.lessons import PLAYGROUND_FIELDS, PREFILL_FIELDS
 from ui.playground import CHAIN, build_request
 from ui.prefill import serve_config
@@ -81,6 +93,59 @@ def test_answers_get_instant_feedback_with_the_explanation_and_a_score(url):
     (n3, unanswered), *_ = [(n, q) for n, q in numbered(GREEDY, ChoiceQuestion) if n != i]
     with pytest.raises(Exception, match="pick one of the choices"):
         ask(client, GREEDY, n3, None)
+
+
+def choice_questions() -> list[tuple[object, int, ChoiceQuestion]]:
+    """(lesson, 1-based number, question) of every choice question, in page order."""
+    return [(lesson, i, q) for lesson in LESSONS for i, q in numbered(lesson, ChoiceQuestion)]
+
+
+def test_the_page_shows_options_shuffled_and_sends_their_text():
+    """No server needed: the page's Radios as built, and the page-load event that reorders them."""
+    import app
+
+    config = app.build_app().config
+    by_elem = {c["props"].get("elem_id"): c for c in config["components"] if "props" in c}
+    radio_ids = []
+    for lesson, i, question in choice_questions():
+        radio = by_elem[f"lesson{lesson.order}-q{i}-answer"]
+        shown = shown_choices(question, COURSE_SEED)
+        assert radio["props"]["choices"] == [(text, text) for text in shown]  # the value is the text, not a position
+        assert radio["props"]["type"] == "value"
+        radio_ids.append(radio["id"])
+    assert any(shown_choices(q, COURSE_SEED)[0] != q.choices[q.correct_index].text for _, _, q in choice_questions())
+    (load,) = [d for d in config["dependencies"] if d.get("api_name") == "quiz_order"]
+    assert [event for _, event in load["targets"]] == ["load"] and load["outputs"] == radio_ids
+
+
+def session_order(client) -> list[list[str]]:
+    """This session's options of every choice question, in its order on screen."""
+    updates = client.predict(api_name="/quiz_order")
+    return [[label for label, _ in update["choices"]] for update in updates]
+
+
+def test_each_session_gets_its_own_order_and_answers_by_text(url):
+    first, second = fresh(url), fresh(url)
+    order, other = session_order(first), session_order(second)
+    questions = choice_questions()
+    assert len(order) == len(other) == len(questions)
+    for shown, (_, _, q) in zip(order, questions, strict=True):
+        assert sorted(shown) == sorted(c.text for c in q.choices)
+    assert session_order(first) == order  # fixed for the session
+    differing = sum(a != b for a, b in zip(order, other, strict=True))
+    assert differing >= len(questions) // 2
+    first_is_right = [shown[0] == right(q) for shown, (_, _, q) in zip(order, questions, strict=True)]
+    assert not all(first_is_right)
+
+    (lesson, i, question), shown = questions[0], order[0]
+    with pytest.raises(Exception, match="not in the list of choices"):  # a position is not an answer
+        ask(first, lesson, i, 0)
+    assert right(question) in shown
+    feedback, score, _, _ = ask(first, lesson, i, right(question))
+    assert "Correct" in feedback and "Score: 1 /" in score
+    (lesson, i, question) = questions[1]
+    feedback, score, _, _ = ask(second, lesson, i, wrong(question))
+    assert "Not quite" in feedback and "Score: 0 /" in score
 
 
 def test_retry_clears_the_lesson_and_takes_answers_again(url):

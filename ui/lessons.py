@@ -2,22 +2,28 @@
 
 One page per lesson (body, "try it" presets, quiz with instant feedback, score, retry), a
 certificate page and a verify page, chosen from a list on the left. Progress lives in gr.State on
-the server and every answer is graded there: the browser sends answers, never scores.
+the server and every answer is graded there: the browser sends answers, never scores. A choice
+question's options are shown in an order of the browser session's own (seeded by its session id,
+set when the page loads), and the answer sent is the picked option's text, so its position on
+screen tells nothing.
 
-API names (for gradio_client): lesson<order>_q<i> (answer question i, 1-based), lesson<order>_retry,
-lesson<order>_try<j> (apply preset j), certificate, verify_certificate.
+API names (for gradio_client): lesson<order>_q<i> (answer question i, 1-based: a choice question
+takes the option's text, a numeric one the number), lesson<order>_retry, lesson<order>_try<j>
+(apply preset j), quiz_order (this session's option order), certificate, verify_certificate.
 """
 
 from __future__ import annotations
 
 import functools
 import html
+import secrets
 from dataclasses import dataclass
 
 import gradio as gr
 
 from engine.errors import InputError
 from lessons import (
+    COURSE_SEED,
     ChoiceQuestion,
     ChunkedPrefillPreset,
     Feedback,
@@ -27,6 +33,7 @@ from lessons import (
     Question,
     Target,
     certificate_html,
+    choice_index,
     completion_certificate,
     course_score,
     from_code,
@@ -35,6 +42,7 @@ from lessons import (
     load_lessons,
     new_progress,
     reset_lesson,
+    shown_choices,
     submit,
     to_code,
     verify,
@@ -101,9 +109,12 @@ def verdict_html(ok: bool, message: str) -> str:
 
 @user_errors
 def answer(lessons: tuple[Lesson, ...], lesson: Lesson, question: Question, progress: dict, given):
-    """Grade one answer and lock the question until the lesson is retried."""
+    """Grade one answer (a choice by its text, a number as typed) and lock the question until
+    the lesson is retried."""
     if is_answered(progress, lesson, question.id):
         raise InputError("this question is answered already: press Retry lesson to answer the lesson again")
+    if isinstance(question, ChoiceQuestion):
+        given = choice_index(question, given)
     feedback, progress = submit(progress, lesson, question.id, given)
     locked = gr.update(interactive=False)
     return (progress, feedback_text(feedback), score_text(progress, lesson), overview_text(progress, lessons),
@@ -118,6 +129,21 @@ def retry(lessons: tuple[Lesson, ...], lesson: Lesson, progress: dict):
     n = len(lesson.questions)
     return (progress, score_text(progress, lesson), overview_text(progress, lessons), *cleared,
             *[gr.update(interactive=True)] * n, *[""] * n)
+
+
+def quiz_order(questions: tuple[ChoiceQuestion, ...], seed: str) -> list:
+    """Updates of the questions' Radios: each shows its options in the order of the session `seed`."""
+    return [gr.update(choices=shown_choices(q, seed)) for q in questions]
+
+
+def _quiz_order_on_load(questions: tuple[ChoiceQuestion, ...]):
+    """The page-load handler: this browser session's order, seeded by its session id. A closure,
+    not functools.partial: gradio passes gr.Request by the handler's type hints, which a partial hides."""
+
+    def order_for_session(request: gr.Request) -> list:
+        return quiz_order(questions, request.session_hash or secrets.token_hex(8))
+
+    return order_for_session
 
 
 def playground_values(preset: PlaygroundPreset) -> dict:
@@ -184,8 +210,8 @@ class LessonPage:
 def _question(lesson: Lesson, i: int, question: Question):
     with gr.Column(variant="panel"):
         gr.Markdown(f"**Question {i}.** {question.prompt}")
-        if isinstance(question, ChoiceQuestion):
-            given = gr.Radio([c.text for c in question.choices], type="index", show_label=False,
+        if isinstance(question, ChoiceQuestion):  # shuffled at build time, then per session on load
+            given = gr.Radio(shown_choices(question, COURSE_SEED), type="value", show_label=False,
                              elem_id=f"lesson{lesson.order}-q{i}-answer")
         else:
             given = gr.Textbox(label="Your answer (a number)", placeholder="e.g. 3.36", max_length=40,
@@ -280,6 +306,10 @@ def build_lessons(playground: dict, prefill: dict | None, tabs: gr.Tabs) -> None
                 verify_btn = gr.Button("Verify", variant="primary", elem_id="verify-btn")
                 verdict = gr.HTML(css_template=CERTIFICATE_CSS, elem_id="certificate-verdict")
 
+    radios = [(q, given) for page in pages for q, given in zip(page.lesson.questions, page.inputs, strict=True)
+              if isinstance(q, ChoiceQuestion)]
+    gr.on(None, _quiz_order_on_load(tuple(q for q, _ in radios)), None, [given for _, given in radios],
+          api_name="quiz_order", api_visibility="undocumented", queue=False, show_progress="hidden")
     columns = [page.column for page in pages] + [certificate_page, verify_page]
     picker.change(lambda key: [gr.Column(visible=key == k) for k in pages_keys], [picker], columns,
                   api_visibility="private", queue=False)
