@@ -6,6 +6,7 @@ Bad input exits non-zero with a one-line reason on stderr; no traceback reaches 
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import json
 import os
@@ -87,9 +88,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     )
 
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over steps prints once whole
+
     def stream(event) -> None:
         if isinstance(event, Step):
-            sys.stdout.write("".join(t.text for t in event.emitted))
+            sys.stdout.write(utf8.decode(b"".join(t.utf8 for t in event.emitted)))
             sys.stdout.flush()
 
     trace = run(request, on_event=None if args.json else stream)
@@ -97,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
         return 0
+    sys.stdout.write(utf8.decode(b"", final=True))  # bytes of a character the run stopped inside
     m = result["metrics"]
     extra = " [LOSSY acceptance: output distribution differs from the target's]" if trace.info.lossy else ""
     if m["draft_acceptance_rate"] is not None:

@@ -192,7 +192,8 @@ def _head_top(target: LoadedModel, proposal) -> tuple[tuple[TopToken, ...], ...]
 
 def _emitted(target, tokens, kinds, probs_rows) -> tuple[EmittedToken, ...]:
     return tuple(
-        EmittedToken(tok, target.token_text(tok), kind, float(row[tok]), _top(target, row))
+        EmittedToken(tok, target.token_text(tok), kind, float(row[tok]), _top(target, row),
+                     special=tok in target.special_ids, raw_bytes=target.partial_bytes(tok))
         for tok, kind, row in zip(tokens, kinds, probs_rows)
     )
 
@@ -316,6 +317,7 @@ def generate(
             k=drafted,
             draft_token_ids=tuple(draft_list),
             draft_texts=tuple(target.token_text(t) for t in draft_list),
+            draft_raw_bytes=tuple(target.partial_bytes(t) for t in draft_list),
             draft_probs=tuple(float(draft_probs[i, t]) for i, t in enumerate(draft_list)),
             target_probs=tuple(float(target_probs[r, t]) for r, t in zip(parent_rows, draft_list)),
             accept_probs=result.accept_probs,

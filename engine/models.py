@@ -9,9 +9,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, replace
@@ -26,6 +28,7 @@ PRESETS_FILE = Path(__file__).with_name("presets.yaml")
 GGUF_PREFIX = "gguf:"
 DISTILLED_PREFIX = "distilled:"  # a draft distilled from its target (engine/mtp/distilled.py)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name, not a path
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback token
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,56 @@ def presets() -> dict[str, Preset]:
 
 def allowed_hub_ids() -> tuple[str, ...]:
     return tuple(_preset_data()["allowed_hub_ids"])
+
+
+HUB_PROBE_TIMEOUT_S = 2.0  # how long the one reachability probe of the hub may take
+
+
+def preset_hub_ids(preset: Preset) -> tuple[str, ...]:
+    """The hub ids a preset downloads (target and draft); empty for one that runs offline."""
+    return tuple(s for s in (preset.target, preset.draft) if s and HUB_ID.fullmatch(s) and not os.path.isdir(s))
+
+
+def _hub_cached(hub_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Can this process reach the model hub? False when HF_HUB_OFFLINE is set; otherwise one TCP
+    connection to the hub's endpoint, bounded by HUB_PROBE_TIMEOUT_S (name resolution too),
+    made once per process."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = constants.ENDPOINT.split("://", 1)[-1].split("/", 1)[0]
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, 443), timeout=HUB_PROBE_TIMEOUT_S):
+                result.append(True)
+        except OSError:
+            result.append(False)
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    return bool(result and result[0])
+
+
+def preset_unavailable(name: str) -> str | None:
+    """Why a preset cannot run here (a one-line reason), or None when it can: a hub preset whose
+    models are not in the local cache needs the hub, so it is refused at once where the hub is
+    unreachable instead of waiting on connection retries."""
+    missing = [h for h in preset_hub_ids(presets()[name]) if not _hub_cached(h)]
+    if not missing or hub_reachable():
+        return None
+    return (f"preset {name!r} needs {', '.join(missing)} from the model hub: not in the local cache, and the hub "
+            "is unreachable (offline); use the embedded preset")
 
 
 def cache_root() -> Path:
@@ -199,6 +252,57 @@ class LoadedModel:
             self._texts[token_id] = text
         return text
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Control tokens (<|im_end|>, ...): the views show them as chips, not as text."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(self.tokenizer.all_special_ids) | {i for i, tok in added.items() if tok.special}
+
+    @functools.cached_property
+    def _spelling(self) -> tuple[dict[str, int] | None, bool]:
+        """How the tokenizer spells bytes in its token strings: the inverse of GPT-2's
+        bytes_to_unicode for byte-level BPE (SmolLM2, Llama 3, Qwen), and whether <0xHH> tokens
+        stand for single bytes (SentencePiece byte fallback)."""
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        if decoder is None:
+            return None, False
+        spec = json.loads(decoder.__getstate__())
+        kinds = {spec["type"], *(d["type"] for d in spec.get("decoders", ()))}
+        alphabet = None
+        if "ByteLevel" in kinds:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            alphabet = {ch: b for b, ch in bytes_to_unicode().items()}
+        return alphabet, "ByteFallback" in kinds
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The token's own bytes, which may be part of a multi-byte UTF-8 character (its
+        token_text is then U+FFFD); None where the tokenizer does not spell tokens in bytes.
+
+        SmolLM2 keeps "é", "—" and "→" whole, but splits "😀" into three tokens: b'\\xf0\\x9f',
+        b'\\x98' and b'\\x80'."""
+        alphabet, byte_fallback = self._spelling
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if alphabet is not None and all(ch in alphabet for ch in piece):
+            return bytes(alphabet[ch] for ch in piece)
+        if byte_fallback and BYTE_TOKEN.fullmatch(piece):
+            return bytes.fromhex(piece[3:5])
+        return None
+
+    def partial_bytes(self, token_id: int) -> tuple[int, ...]:
+        """EmittedToken.raw_bytes: the token's bytes when they are not whole UTF-8 on their own
+        (a piece of a character), else () (its token_text is then exact)."""
+        if "\ufffd" not in self.token_text(token_id):
+            return ()
+        raw = self.token_bytes(token_id)
+        if raw is None:
+            return ()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return tuple(raw)
+        return ()  # the token really is U+FFFD
+
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         """Prompt -> token ids: the chat template for instruct models unless raw."""
         if not raw and getattr(self.tokenizer, "chat_template", None):
@@ -242,6 +346,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", kernels: st
     if spec.startswith(DISTILLED_PREFIX):
         return _load_distilled(spec, device, dtype)
     if spec in presets():
+        reason = preset_unavailable(spec)
+        if reason:
+            raise InputError(reason)
         preset = presets()[spec]
         spec, device = preset.target, (preset.device if device == "auto" else device)
         dtype = preset.dtype if dtype == "auto" else dtype

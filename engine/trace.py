@@ -12,6 +12,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -24,6 +25,7 @@ MAX_ITEMS = 200_000  # no list inside a trace may be longer
 MAX_DEPTH = 12  # JSON nesting deeper than the schema can ever be is refused
 MAX_OUTPUT_TOKENS = 4096  # no run emits more (engine.decoding.MAX_NEW_TOKENS is this)
 MAX_STEP_DRAFTS = 256  # no step of a trace drafts more (chains draft <= 16, the largest tree 16)
+MAX_TOKEN_BYTES = 128  # no token's raw_bytes is longer (SmolLM2's longest token is 81 bytes)
 TOP_N = 5  # alternatives kept per emitted token (and per MTP head)
 MAX_CURVE_POINTS = 64  # a verify curve (RunInfo.verify_ms) measures T = 1..17
 STOP_REASONS = ("eos", "max_new_tokens", "context", "stopped")  # "context": the model's context is full
@@ -43,6 +45,30 @@ class EmittedToken:
     kind: TokenKind
     prob: float  # the target's probability of this token where it was emitted
     top: tuple[TopToken, ...]  # the target's top-5 there (the alternatives)
+    special: bool = False  # a control token (<|im_end|>, ...), not text
+    # the token's bytes when they are not whole UTF-8 on their own: a byte-level tokenizer splits
+    # some characters (an emoji, most CJK) over 2-4 tokens, and `text` of each piece is then U+FFFD.
+    # Empty when `text` is exact (and in traces saved before this field existed).
+    raw_bytes: tuple[int, ...] = ()
+
+    @property
+    def utf8(self) -> bytes:
+        """The token's bytes; consecutive tokens' bytes joined decode to their text as a whole.
+        (A lone surrogate, which only a hand-made trace holds, passes through and decodes as U+FFFD.)"""
+        return bytes(self.raw_bytes) if self.raw_bytes else self.text.encode("utf-8", "surrogatepass")
+
+
+def decode_tokens(tokens: Iterable[EmittedToken], special: bool = True) -> str:
+    """Output tokens' text decoded as a whole, so characters split over byte tokens come out
+    whole (`special`: keep the control tokens' text).
+
+    >>> from engine.acceptance import TokenKind
+    >>> pieces = [EmittedToken(1, "\ufffd", TokenKind.BONUS, 1.0, (), raw_bytes=(0xE2,)),
+    ...           EmittedToken(2, "\ufffd", TokenKind.BONUS, 1.0, (), raw_bytes=(0x9C, 0x93))]
+    >>> decode_tokens(pieces + [EmittedToken(3, "<|im_end|>", TokenKind.BONUS, 1.0, (), special=True)], special=False)
+    '✓'
+    """
+    return b"".join(t.utf8 for t in tokens if special or not t.special).decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,8 @@ class Step:
     draft_ranks: tuple[tuple[int, ...], ...] = ()  # each draft's path of ranks in head_top
     # MTP: each head's top candidates (its proposal first), per draft depth
     head_top: tuple[tuple[TopToken, ...], ...] = ()
+    # each draft's EmittedToken.raw_bytes (empty for whole ones); () in traces saved before the field
+    draft_raw_bytes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def emitted_token_ids(self) -> tuple[int, ...]:
@@ -127,7 +155,7 @@ class Trace:
 
     @property
     def text(self) -> str:
-        return "".join(t.text for s in self.steps for t in s.emitted)
+        return decode_tokens(t for s in self.steps for t in s.emitted)
 
 
 def to_jsonable(obj):
@@ -261,6 +289,11 @@ def _step_problem(step: Step, position: int) -> str | None:
     # the last step may be cut short by EOS or max_new_tokens, never lengthened
     if not 1 <= len(step.emitted) <= step.accepted + 1:
         return "emits the wrong number of tokens"
+    if len(step.draft_raw_bytes) not in (0, k):
+        return "draft_raw_bytes per drafted position"
+    if any(len(raw) > MAX_TOKEN_BYTES or any(not 0 <= b < 256 for b in raw)
+           for raw in (*step.draft_raw_bytes, *(t.raw_bytes for t in step.emitted))):
+        return f"a token's raw bytes must be at most {MAX_TOKEN_BYTES}, each 0..255"
     if len(step.accept_probs) > k or len(step.draft_top) not in (0, k):
         return "accept_probs and draft_top per drafted position"
     if len(step.accept_uniforms) != (0 if step.sample_uniform is None else len(step.accept_probs)):

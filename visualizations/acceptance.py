@@ -19,6 +19,9 @@ from engine.trace import Step
 from visualizations.style import GREY, KIND_COLORS, SERIES_COLORS, TEMPLATE, VERMILLION, note_figure, styled
 
 K_MAX = 16  # the theory curves run over k = 0..K_MAX (engine.decoding.MAX_K)
+CAPTION_GAP_PX = 62  # the theory chart's caption starts this far below the plot (under the x-axis title)
+CAPTION_LINE_PX = 17  # and takes this much height per line
+PLOT_HEIGHT_PX = 370  # the theory chart's height above its bottom margin (plotly's default 450 less its 80)
 
 
 def per_position_chart(steps: Sequence[Step]) -> go.Figure:
@@ -80,7 +83,8 @@ def theory_chart(
 
     verify_ms (this machine's verify curve, ms of one forward over T = 1, 2, ... tokens) adds the
     prediction with the measured cost of verifying k + 1 tokens in place of "verification costs
-    one step", over the k the curve covers."""
+    one step", over the k the curve covers. A caption under the plots (theory_caption) says which
+    prediction is which at measured_k, beside the measured speedup."""
     ks = list(range(k_max + 1))
     fig = make_subplots(rows=1, cols=2, subplot_titles=("Expected tokens per step", "Predicted speedup"))
     curves = (
@@ -109,11 +113,66 @@ def theory_chart(
     fig.update_xaxes(title_text="draft length k", dtick=2)
     fig.update_yaxes(title_text="tokens per target step", row=1, col=1)
     fig.update_yaxes(title_text="speedup vs plain decoding", row=1, col=2)
+    caption = theory_caption(acceptance_rate, cost_ratio, measured_k, measured_tokens_per_step=measured_tokens_per_step,
+                             measured_speedup=measured_speedup, verify_ms=verify_ms)
+    fig.add_annotation(text="<br>".join(caption), name="caption", showarrow=False, xref="paper", yref="paper",
+                       x=0, y=0, xanchor="left", yanchor="top", yshift=-CAPTION_GAP_PX, align="left",
+                       font=dict(size=12))
+    bottom = CAPTION_GAP_PX + 20 + CAPTION_LINE_PX * len(caption)
     fig.update_layout(
         template=TEMPLATE,
         title=f"Theory at acceptance rate a = {acceptance_rate:.2f}, draft cost ratio c = {cost_ratio:.3f}",
+        margin=dict(b=bottom), height=PLOT_HEIGHT_PX + bottom,  # the caption adds height, not squeezes the plots
     )
     return fig
+
+
+def theory_caption(
+    acceptance_rate: float,
+    cost_ratio: float,
+    k: int | None,
+    *,
+    measured_tokens_per_step: float | None = None,
+    measured_speedup: float | None = None,
+    verify_ms: Sequence[float] = (),
+) -> list[str]:
+    """The theory chart's caption, one plotly text line each: which predicted speedup is which
+    at the run's k, and the measured one beside them, so a prediction of 1.4x next to a measured
+    0.67x is explained on the chart itself: the theorem assumes verifying k + 1 tokens costs one
+    plain step, and this machine's verify curve says what it costs here.
+
+    >>> print("\\n".join(theory_caption(0.8, 0.05, 4, measured_speedup=0.67, verify_ms=[20.0, 30.0, 31.0, 32.0, 32.0])))
+    At k = 4:
+    • 2.80× predicted if verifying 5 tokens cost one step (Leviathan et al. 2023; blue dotted line)
+    • 1.87× predicted with this machine's verify cost: 5 tokens cost 1.60 steps (green line)
+    • 0.67× measured against plain decoding, wall clock (red diamond)
+    """
+    free_line = "blue dotted line" if verify_ms else "blue line"
+    if k is None:
+        lines = ["Predicted speedup:",
+                 f"• if verifying k + 1 tokens cost one plain step (Leviathan et al. 2023; {free_line})"]
+        if verify_ms:
+            lines.append("• with this machine's measured cost of verifying k + 1 tokens (green line)")
+        return lines
+    free = metrics.predicted_speedup(acceptance_rate, k, cost_ratio)
+    lines = [f"At k = {k}:", f"• {free:.2f}× predicted if verifying {k + 1} tokens cost one step "
+                             f"(Leviathan et al. 2023; {free_line})"]
+    cost = metrics.verify_cost(verify_ms, k + 1) if verify_ms else None
+    if cost is not None:
+        costed = metrics.predicted_speedup(acceptance_rate, k, cost_ratio, cost)
+        lines.append(f"• {costed:.2f}× predicted with this machine's verify cost: {k + 1} tokens cost "
+                     f"{cost:.2f} steps (green line)")
+    else:
+        why = f"its verify curve stops before {k + 1} tokens" if verify_ms else "no verify curve was measured"
+        lines.append(f"• no prediction with this machine's verify cost: {why}")
+    lines.append(f"• {measured_speedup:.2f}× measured against plain decoding, wall clock (red diamond)"
+                 if measured_speedup is not None else
+                 "• no measured speedup yet: it needs a plain decoding run to compare with")
+    if measured_tokens_per_step is not None:
+        expected = metrics.expected_tokens_per_step(acceptance_rate, k)
+        lines.append(f"• {measured_tokens_per_step:.2f} tokens per step measured, {expected:.2f} expected "
+                     f"at a = {acceptance_rate:.2f}")
+    return lines
 
 
 def theory_chart_for(
