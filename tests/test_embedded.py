@@ -89,3 +89,17 @@ def test_a_corrupt_conversion_cache_is_rebuilt(tmp_path, monkeypatch):
     loaded = models.load_model("embedded")
     assert loaded.model.config.num_hidden_layers == 30
     assert (copy / "model.safetensors").stat().st_size > 100_000_000
+
+
+@pytest.mark.parametrize("rule, verdict", [("typical", "## ❌ FAIL"), ("exact", "## ✅ PASS")])
+def test_gate_tab_defaults_catch_the_lossy_rule(embedded, monkeypatch, rule, verdict):
+    """The Gate tab invites trying the typical rule "to see the gate catch it": with the tab's
+    own defaults (greedy, so 2 runs a prompt) it must fail, and the exact rule must pass."""
+    from dataclasses import astuple, replace
+
+    from ui.gate import DEFAULTS, run_gate_tab
+
+    monkeypatch.delenv("SPECLAB_PRESET", raising=False)  # the tab runs on the app's model: embedded
+    *_, (text, table, _) = run_gate_tab(*astuple(replace(DEFAULTS, rule=rule)))
+    assert text.startswith(verdict)
+    assert len(table) == DEFAULTS.limit and (rule == "exact") == all(table["verdict"] == "pass")

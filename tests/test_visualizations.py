@@ -406,7 +406,9 @@ def test_trace_timeline(run):
 def test_trace_timeline_baseline_has_no_draft_bars():
     steps = [first_step()] + [make_step(i, (), drafter="none") for i in range(1, 4)]
     fig = trace_timeline(steps)
-    assert len(fig.data[1].x) == 0 and len(fig.data[2].x) == 3
+    assert [t.name for t in fig.data] == ["target step (plain decoding)", "tokens emitted"]
+    assert len(fig.data[0].x) == 3
+    assert list(fig.layout.yaxis.categoryarray) == ["output", "target step (plain decoding)"]
 
 
 # TTFT and ITL
@@ -428,7 +430,9 @@ def test_itl_over_time_side_by_side():
     assert [a.text for a in fig.layout.annotations] == ["none", "decode-first, chunk 256"]
     assert {t.xaxis for t in fig.data} == {"x", "x2"}
     first = fig.data[0]
-    assert list(first.y) == pytest.approx([100.0, 100.0, 600.0, 100.0]) and list(first.x) == [0.2, 0.3, 0.9, 1.0]
+    # chat-1's 0.6 s gap is a stall (over 3 times the setting's median gap): the line breaks before it
+    assert list(first.x) == [0.2, 0.3, None, 0.9, 1.0] and first.y[2] is None
+    assert [first.y[i] for i in (0, 1, 3, 4)] == pytest.approx([100.0, 100.0, 600.0, 100.0])
     assert [t.showlegend for t in fig.data[:2]] == [True, True] and fig.data[3].showlegend is False
     assert fig.layout.yaxis.title.text == "ITL per token (ms)"
 

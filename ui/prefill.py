@@ -24,16 +24,26 @@ from engine.serving import (
     serve,
     summary,
 )
-from ui.common import as_int, default_preset, preset_choices, user_errors
+from ui.common import as_int, check_preset, default_preset, preset_choices, user_errors
 from ui.gpu import paced, serve_whole, zero_gpu
-from visualizations import itl_distribution_chart, itl_over_time_chart, serving_timeline, ttft_chart
+from visualizations import (
+    itl_distribution_chart,
+    itl_over_time_chart,
+    serving_summary_table,
+    serving_timeline,
+    timeline_axes,
+    ttft_chart,
+)
+from visualizations.latency import SUMMARY_COLUMNS
 
 CHUNK_RANGE = (16, 2048)  # smaller chunks make a long prompt take hundreds of steps
 MAX_NEW_RANGE = (0, 256)  # 0: each request keeps the scenario's own limit
 REFRESH_S = 0.3  # how often the timeline is checked for progress while a run is going
 IDLE_STATE_S = 30 * 60  # a browser session idle this long loses its state
-SUMMARY_COLUMNS = ["setting", "token budget", "steps", "short ITL p50 (ms)", "short ITL p99 (ms)",
-                   "short ITL max (ms)", "long TTFT p50 (ms)", "output tokens/s", "decodes during a prefill"]
+PLOT_MIN_PX = 400  # two charts side by side on a desktop, one above the other on a phone
+# the summary's columns (SUMMARY_COLUMNS), each wide enough for its longest header word: 1080 px
+# in all, inside a desktop page; a phone scrolls the table rather than break words apart
+SUMMARY_WIDTHS = ["240px", "90px", "90px", "110px", "110px", "110px", "110px", "100px", "120px"]
 
 
 class ServeRun:
@@ -178,25 +188,19 @@ def progress_text(label: str, run: ServeRun) -> str:
             f"requests finished{clock}")
 
 
-def summary_rows(results: dict[str, ServeResult]) -> list[list]:
-    rows = []
-    for label, result in results.items():
-        s = summary(result)
-        short, long = s["by_class"]["short"], s["by_class"]["long"]
-        rows.append([label, s["token_budget"], s["steps"], _round(short["itl_ms_p50"]), _round(short["itl_ms_p99"]),
-                     _round(short["itl_ms_max"]), _round(long["ttft_ms_p50"]), _round(s["output_tokens_per_s"]),
-                     "yes" if s["decode_traffic_active"] else "no"])
-    return rows
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)
-
-
 def final_views(results: dict[str, ServeResult]):
     runs = {label: result.requests for label, result in results.items()}
-    table = {"headers": SUMMARY_COLUMNS, "data": summary_rows(results)}
+    table = serving_summary_table({label: summary(result) for label, result in results.items()})
     return table, ttft_chart(runs), itl_over_time_chart(runs), itl_distribution_chart(runs)
+
+
+def shared_timelines(workload: Workload, runs: list[tuple[str, ServeRun]]) -> list:
+    """The timelines of the settings run so far (None for one not started), on shared axes so
+    they compare by eye: the same lanes (the workload's requests) and the same time range."""
+    records = [(label, list(run.steps), run.requests_so_far()) for label, run in runs]
+    axes = timeline_axes([(steps, reqs) for _, steps, reqs in records], workload.requests)
+    drawn = [serving_timeline(steps, reqs, title=label, axes=axes) for label, steps, reqs in records]
+    return drawn + [None] * (2 - len(drawn))  # settings A and B side by side
 
 
 def serve_runs(preset: str, workload: Workload, configs: list[ServeConfig]) -> list[Callable[[], ServeRun]]:
@@ -210,8 +214,7 @@ def serve_runs(preset: str, workload: Workload, configs: list[ServeConfig]) -> l
 
 def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[str, object, object]]):
     """Run each (side, policy, chunk size) in turn on the same scenario, streaming its timeline."""
-    if preset not in preset_choices():
-        raise InputError(f"unknown preset {preset!r} (choose one of {', '.join(preset_choices())})")
+    check_preset(preset)
     if scenario not in scenario_choices():
         raise InputError(f"unknown scenario {scenario!r} (choose one of {', '.join(scenario_choices())})")
     configs = [(setting_label(side, cfg), cfg)
@@ -220,32 +223,31 @@ def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[
     starts = serve_runs(preset, workload, [cfg for _, cfg in configs])
     state = state or PrefillState()
     job = state.start()
-    timelines = [None, None]  # settings A and B side by side
+    started: list[tuple[str, ServeRun]] = []
     results: dict[str, ServeResult] = {}
     waiting = [gr.skip()] * 4  # summary and latency charts come when the runs are done
     try:
-        for side, ((label, _), start) in enumerate(zip(configs, starts)):
+        for (label, _), start in zip(configs, starts):
             if job.stopped:
                 break
             run = job.running = start()
+            started.append((label, run))
             drawn = None
             while not run.wait(REFRESH_S):
                 progress = (len(run.steps), len(run.finished))
                 if progress != drawn:  # redraw only when a step or a request has ended
-                    timelines[side] = serving_timeline(run.steps, run.requests_so_far())
-                    yield (state, progress_text(label, run), *timelines, *waiting)
+                    yield (state, progress_text(label, run), *shared_timelines(workload, started), *waiting)
                     drawn = progress
             if run.error is not None:
                 raise run.error
-            timelines[side] = serving_timeline(run.steps, run.requests_so_far())
             if run.stopped:
-                yield (state, progress_text(label, run), *timelines, *final_views(results))
+                yield (state, progress_text(label, run), *shared_timelines(workload, started), *final_views(results))
                 return
             results[label] = run.result()
     finally:
         job.stop()  # also when the page goes away mid-run
     done = " · ".join(f"**{label}**: {len(r.steps)} steps, {r.steps[-1].end_s:.2f} s" for label, r in results.items())
-    yield (state, f"Done. {done}", *timelines, *final_views(results))
+    yield (state, f"Done. {done}", *shared_timelines(workload, started), *final_views(results))
 
 
 @user_errors
@@ -295,13 +297,13 @@ def build_prefill():
         stop_btn = gr.Button("Stop", variant="stop", elem_id="prefill-stop-btn")
     progress = gr.Markdown("Choose a scenario and press Run.", elem_id="prefill-progress")
     with gr.Row(elem_id="prefill-timelines"):
-        timeline_a = gr.Plot(label="timeline A", elem_id="prefill-timeline-a")
-        timeline_b = gr.Plot(label="timeline B", elem_id="prefill-timeline-b")
-    table = gr.Dataframe(headers=SUMMARY_COLUMNS, label="summary per setting", interactive=False,
-                         elem_id="prefill-summary")
+        timeline_a = gr.Plot(label="timeline A", elem_id="prefill-timeline-a", min_width=PLOT_MIN_PX)
+        timeline_b = gr.Plot(label="timeline B", elem_id="prefill-timeline-b", min_width=PLOT_MIN_PX)
+    table = gr.Dataframe(headers=list(SUMMARY_COLUMNS), label="summary per setting", interactive=False, wrap=True,
+                         column_widths=SUMMARY_WIDTHS, elem_id="prefill-summary")
     with gr.Row(elem_id="prefill-latency"):
-        ttft = gr.Plot(label="TTFT", elem_id="prefill-ttft")
-        itl_dist = gr.Plot(label="ITL distribution", elem_id="prefill-itl-dist")
+        ttft = gr.Plot(label="TTFT", elem_id="prefill-ttft", min_width=PLOT_MIN_PX)
+        itl_dist = gr.Plot(label="ITL distribution", elem_id="prefill-itl-dist", min_width=PLOT_MIN_PX)
     itl_time = gr.Plot(label="ITL over time", elem_id="prefill-itl-time")
 
     scenario.change(describe, [scenario], [description], api_name=False)

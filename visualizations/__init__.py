@@ -12,10 +12,18 @@ from visualizations.acceptance import (
     tokens_vs_steps_chart,
     verify_curve_chart,
 )
-from visualizations.latency import itl_distribution_chart, itl_over_time_chart, ttft_chart
+from visualizations.latency import itl_distribution_chart, itl_over_time_chart, serving_summary_table, ttft_chart
 from visualizations.mtp_tree import mtp_tree_figure
-from visualizations.timeline import RequestTimes, ScheduledItem, ServingStep, serving_timeline, trace_timeline
-from visualizations.tokens import TOKEN_CSS, legend_html, token_stream_html
+from visualizations.timeline import (
+    RequestTimes,
+    ScheduledItem,
+    ServingStep,
+    TimelineAxes,
+    serving_timeline,
+    timeline_axes,
+    trace_timeline,
+)
+from visualizations.tokens import TOKEN_CSS, legend_html, output_line_html, token_stream_html
 from visualizations.verify import VerifyView, residual_chart, target_top_table, verify_table, verify_view
 
 __all__ = [
@@ -23,18 +31,22 @@ __all__ = [
     "RequestTimes",
     "ScheduledItem",
     "ServingStep",
+    "TimelineAxes",
     "VerifyView",
     "accepted_histogram",
     "itl_distribution_chart",
     "itl_over_time_chart",
     "legend_html",
     "mtp_tree_figure",
+    "output_line_html",
     "per_position_chart",
     "residual_chart",
+    "serving_summary_table",
     "serving_timeline",
     "target_top_table",
     "theory_chart",
     "theory_chart_for",
+    "timeline_axes",
     "token_stream_html",
     "tokens_vs_steps_chart",
     "trace_timeline",

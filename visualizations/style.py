@@ -8,6 +8,9 @@ awaiting its verdict.
 
 from __future__ import annotations
 
+import html
+import math
+
 import plotly.graph_objects as go
 
 ORANGE = "#E69F00"
@@ -26,12 +29,15 @@ KIND_COLORS = {
     "target": GREY,
     "drafted": SKY_BLUE,
 }
-PHASE_COLORS = {"prefill": ORANGE, "decode": BLUE, "draft": SKY_BLUE, "verify": BLUE}
+PHASE_COLORS = {"prefill": ORANGE, "decode": BLUE, "draft": SKY_BLUE, "verify": BLUE, "target": GREY}
 CLASS_COLORS = {"long": VERMILLION, "short": BLUISH_GREEN}
 SERIES_COLORS = (BLUE, ORANGE, BLUISH_GREEN, REDDISH_PURPLE, SKY_BLUE, VERMILLION)
 # plotly.js's own plain white defaults: a named template like "plotly_white" is deep-copied into
 # every figure, which took ~10 ms per figure here, most of a step's render time.
 TEMPLATE = "none"
+LEGEND_BELOW_PX = 130  # bottom margin for tick labels, the x axis title and three rows of legend (a phone)
+LABEL_PX_PER_CHAR = 7.5  # plotly's default 12 px sans-serif, its wider characters
+AXIS_TITLE_PX = 36  # a y axis title, its standoff and the tick marks
 
 
 def class_color(cls: str) -> str:
@@ -42,6 +48,25 @@ def styled(fig: go.Figure, title: str, x_title: str, y_title: str) -> go.Figure:
     fig.update_layout(title=title, template=TEMPLATE, margin=dict(l=60, r=20, t=60, b=50))
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text=y_title)
+    return fig
+
+
+def lane_margin(labels, title: bool = True) -> int:
+    """A left margin (px) wide enough for the longest y tick label and the axis title, so
+    no label is clipped (the axes also set automargin, which measures the real text).
+
+    >>> lane_margin(["chat-0 (short)", "document (long)"])
+    149
+    """
+    longest = max((len(html.unescape(label)) for label in labels), default=0)
+    return math.ceil(longest * LABEL_PX_PER_CHAR) + (AXIS_TITLE_PX if title else 12)
+
+
+def legend_below(fig: go.Figure) -> go.Figure:
+    """The legend in rows along the figure's bottom edge, under the x axis title: beside the
+    plot it would take a third of a phone's width, above it it would wrap into the titles."""
+    fig.update_layout(legend=dict(orientation="h", xref="container", x=0.0, xanchor="left", yref="container",
+                                  y=0.0, yanchor="bottom"), margin_t=60, margin_b=LEGEND_BELOW_PX)
     return fig
 
 

@@ -3,8 +3,9 @@
 `serving_timeline` draws a multi-request serving run: one lane per request, a bar for each item
 a step scheduled for it (every item of a step spans the step's time, since a step is one batched
 forward), arrival and first-token markers, and below it each step's composition (prefill tokens
-and decode tokens). `trace_timeline` draws one request's Trace: prefill chunks, then each
-step's draft and verify phases and the tokens it emitted.
+and decode tokens); timelines compared side by side share their axes (`timeline_axes`).
+`trace_timeline` draws one request's Trace: prefill chunks, then each step's draft and verify
+phases (or, where nothing was drafted, a plain target step) and the tokens it emitted.
 
 Serving records are read by field name, from dicts or from any object with these attributes
 (engine.serving.records' ServeStep, StepItem and RequestRecord), enums by value, and may be
@@ -28,10 +29,19 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.trace import PrefillChunk, Step
-from visualizations.style import PHASE_COLORS, TEMPLATE, VERMILLION, note_figure, styled
+from visualizations.style import (
+    PHASE_COLORS,
+    TEMPLATE,
+    VERMILLION,
+    lane_margin,
+    legend_below,
+    note_figure,
+    styled,
+)
 from visualizations.text import plotly_label, plotly_text
 
 KINDS = ("prefill", "decode")
+PLAIN_LANE = "target step (plain decoding)"  # a decode step with no drafts: nothing to verify
 _REQUIRED = object()
 
 
@@ -124,20 +134,56 @@ def lane_label(request_id: str, cls: str | None = None) -> str:
     return f"{plotly_label(request_id)} ({plotly_label(cls)})" if cls else plotly_label(request_id)
 
 
-def serving_timeline(steps: Sequence, requests: Sequence = ()) -> go.Figure:
+@dataclass(frozen=True)
+class TimelineAxes:
+    """What serving timelines shown side by side share, so they compare by eye: the same lanes
+    in the same order, the same time range and the same range of tokens per step."""
+
+    lanes: tuple[tuple[str, str], ...]  # (request_id, lane label), top to bottom
+    end_s: float  # the time axis runs from 0 to here
+    step_tokens: int  # the composition panel's axis runs from 0 to here
+
+
+def timeline_axes(runs: Sequence[tuple[Sequence, Sequence]], requests: Sequence = ()) -> TimelineAxes:
+    """Axes that fit every run, each given as (steps, requests); `requests` (e.g. the workload's)
+    adds lanes for requests that have not arrived yet, so the lanes stay put while a run goes.
+    Lanes are in order of arrival; requests seen only in steps come last.
+
+    >>> axes = timeline_axes([([{"index": 0, "start_s": 0, "end_s": 2.5, "items": []}],
+    ...                        [{"request_id": "b", "cls": "short", "arrival_s": 0.5}])],
+    ...                      [{"request_id": "a", "cls": "long", "arrival_s": 0.0}])
+    >>> axes.lanes, axes.end_s
+    ((('a', 'a (long)'), ('b', 'b (short)')), 2.5)
+    """
+    steps = [serving_step(s) for run_steps, _ in runs for s in run_steps]
+    reqs = [request_times(r) for r in requests] + [request_times(r) for _, run_reqs in runs for r in run_reqs]
+    classes = {r.request_id: r.cls for r in reqs}
+    ids = [r.request_id for r in sorted(reqs, key=lambda r: r.arrival_s)] + [
+        i.request_id for s in steps for i in s.items]
+    times = [s.end_s for s in steps] + [r.arrival_s for r in reqs] + [t for r in reqs for t in r.token_times_s]
+    return TimelineAxes(
+        lanes=tuple((rid, lane_label(rid, classes.get(rid))) for rid in dict.fromkeys(ids)),
+        end_s=max(times, default=0.0),
+        step_tokens=max((sum(i.tokens for i in s.items) for s in steps), default=0),
+    )
+
+
+def serving_timeline(steps: Sequence, requests: Sequence = (), title: str = "Serving timeline",
+                     axes: TimelineAxes | None = None) -> go.Figure:
     """Lanes per request (prefill and decode bars, arrival and first-token markers) over the
-    steps' composition. `steps` and `requests` hold dicts or records (module docstring)."""
-    title = "Serving timeline: prefill chunks and decodes per request"
+    steps' composition. `steps` and `requests` hold dicts or records (module docstring). Give
+    the same `axes` (timeline_axes) to timelines that are compared; by default they fit this run."""
+    title = plotly_label(title)
     run_steps = [serving_step(s) for s in steps]
     reqs = [request_times(r) for r in requests]
     if not run_steps and not reqs:
         return note_figure(title, "No steps yet")
-    classes = {r.request_id: r.cls for r in reqs}
-    lanes = [r.request_id for r in sorted(reqs, key=lambda r: r.arrival_s)]
-    lanes += list(dict.fromkeys(i.request_id for s in run_steps for i in s.items if i.request_id not in classes))
-    label = {rid: lane_label(rid, classes.get(rid)) for rid in lanes}
+    axes = axes or timeline_axes([(run_steps, reqs)])
+    label = dict(axes.lanes)
+    label.update((i.request_id, lane_label(i.request_id)) for s in run_steps for i in s.items
+                 if i.request_id not in label)
 
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.06)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.08)
     for kind in KINDS:
         items = [(s, i) for s in run_steps for i in s.items if i.kind == kind]
         fig.add_trace(go.Bar(
@@ -168,12 +214,18 @@ def serving_timeline(steps: Sequence, requests: Sequence = ()) -> go.Figure:
             hovertext=[_step_hover(s) for s in run_steps], hoverinfo="text",
         ), row=2, col=1)
         base = [b + c for b, c in zip(base, counts)]
-    fig.update_yaxes(title_text="request", categoryorder="array", categoryarray=[label[r] for r in reversed(lanes)],
-                     row=1, col=1)
-    fig.update_yaxes(title_text="tokens in step", row=2, col=1)
+    lanes = [lane for _, lane in axes.lanes]
+    lanes += [lane for lane in dict.fromkeys(label.values()) if lane not in lanes]
+    pad = 0.02 * axes.end_s or 0.01
+    fig.update_xaxes(range=[-pad, axes.end_s + pad])
+    fig.update_yaxes(title_text="request", categoryorder="array", categoryarray=lanes[::-1],
+                     range=[-0.5, len(lanes) - 0.5], automargin=True, row=1, col=1)
+    fig.update_yaxes(title_text="tokens in step", range=[0, 1.05 * axes.step_tokens or 1], automargin=True,
+                     row=2, col=1)
     fig.update_xaxes(title_text="time since start (s)", row=2, col=1)
-    fig.update_layout(title=title, template=TEMPLATE, barmode="overlay", bargap=0.3)
-    return fig
+    fig.update_layout(title=title, template=TEMPLATE, barmode="overlay", bargap=0.3,
+                      margin=dict(l=lane_margin(lanes), r=16))
+    return legend_below(fig)
 
 
 def _item_hover(step: ServingStep, item: ScheduledItem) -> str:
@@ -190,12 +242,14 @@ def trace_timeline(steps: Sequence[Step], prefill: Sequence[PrefillChunk] = ()) 
     """One request: prefill chunks, each step's draft and verify phases (placed to end when the
     step's tokens were emitted; the record-keeping between them is folded into verify), and a
     marker per step labelled with the number of tokens it emitted. Step 0's verify is the
-    prefill itself, so it shows only as its emitted token."""
+    prefill itself, so it shows only as its emitted token. A step that drafted nothing (plain
+    decoding, or a drafter with no proposal) verified nothing: it is a plain target step, on a
+    lane of its own. Only lanes with something on them are drawn."""
     title = "Prefill chunks and decode steps"
     if not steps and not prefill:
         return note_figure(title, "No steps yet")
-    verify = [s for s in steps if s.index > 0]
-    drafting = [s for s in verify if s.k > 0]
+    decode = [s for s in steps if s.index > 0]
+    drafting = [s for s in decode if s.k > 0]
     lanes = (
         ("prefill", "prefill", [(c.start_s, c.duration_s, f"chunk {c.index}: prompt tokens [{c.start}, {c.end}), "
                                                           f"{c.duration_s * 1000:.1f} ms") for c in prefill]),
@@ -204,10 +258,13 @@ def trace_timeline(steps: Sequence[Step], prefill: Sequence[PrefillChunk] = ()) 
                               for s in drafting]),
         ("2 verify", "verify", [(s.end_s - s.verify_s, s.verify_s,
                                  f"step {s.index}: verified {s.k}, accepted {s.accepted}, "
-                                 f"{s.verify_s * 1000:.1f} ms") for s in verify]),
+                                 f"{s.verify_s * 1000:.1f} ms") for s in drafting]),
+        (PLAIN_LANE, "target", [(s.end_s - s.verify_s, s.verify_s, _plain_hover(s)) for s in decode if s.k == 0]),
     )
     fig = go.Figure()
     for lane, phase, spans in lanes:
+        if not spans:
+            continue
         fig.add_trace(go.Bar(
             orientation="h", base=[b for b, _, _ in spans], x=[d for _, d, _ in spans], y=[lane] * len(spans),
             hovertext=[h for _, _, h in spans], hoverinfo="text", name=lane,
@@ -220,6 +277,14 @@ def trace_timeline(steps: Sequence[Step], prefill: Sequence[PrefillChunk] = ()) 
         hovertext=[f"step {s.index} emitted {len(s.emitted)}: "
                    + plotly_text("".join(t.text for t in s.emitted)) for s in steps], hoverinfo="text",
     ))
-    fig.update_yaxes(categoryorder="array", categoryarray=["output", "2 verify", "1 draft", "prefill"])
+    shown = [lane for lane, _, spans in lanes if spans]
+    fig.update_yaxes(categoryorder="array", categoryarray=["output", *reversed(shown)], automargin=True)
     fig.update_layout(barmode="overlay", bargap=0.4)
-    return styled(fig, title, "time since the request started (s)", "")
+    styled(fig, title, "time since the request started (s)", "")
+    fig.update_layout(margin=dict(l=lane_margin(["output", *shown], title=False)))
+    return fig
+
+
+def _plain_hover(step: Step) -> str:
+    why = "plain decoding" if step.drafter == "none" else f"{plotly_label(step.drafter)} drafted nothing"
+    return f"step {step.index}: {why}, one target forward, {step.verify_s * 1000:.1f} ms"
