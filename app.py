@@ -16,11 +16,12 @@ from ui.prefill import build_prefill
 from ui.status import build_status
 
 TITLE = "Speculative Decoding Lab"
+# A failed event shows its message in place (the playground's card) and as a toast; gradio would
+# also lay a red "Error" badge over every output of the event until the next good run.
+CSS = '[data-testid="status-tracker"]:has(> .error) { display: none !important; }'
 INTRO = (
-    "Watch a **drafter** propose tokens and the **target model** verify them, step by step, on a real "
-    "model. Greedy speculative output is token-for-token the plain output; sampled output keeps the "
-    "target's distribution. Colours: **accepted** drafts, the **recovered** token at a rejection, the "
-    "**bonus** token after a fully accepted draft."
+    "Watch a **drafter** propose tokens and the **target model** verify them, step by step, on a real model. "
+    "Greedy speculative output is token-for-token the plain output; sampled output keeps the target's distribution."
 )
 
 
@@ -48,6 +49,7 @@ def main() -> None:
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
         max_file_size="25mb",
         footer_links=["api"],
+        css=CSS,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.trace import PrefillChunk, Step
 
@@ -101,6 +102,49 @@ def predicted_speedup(a: float, k: int, c: float, verify_cost: float = 1.0) -> f
     1.868
     """
     return expected_tokens_per_step(a, k) / (k * c + verify_cost)
+
+
+@dataclass(frozen=True)
+class StepEconomics:
+    """Why speculation wins or loses on this machine, from a run's own measurements: a target
+    step costs drafting (k drafts x c) plus one verification forward over k + 1 tokens (its
+    measured cost v, a multiple of a one-token forward), and emits tokens_per_step tokens. A plain
+    step costs 1 and emits 1, so decoding is predicted tokens_per_step / (k c + v) times faster.
+
+    >>> e = StepEconomics(tokens_per_step=3.0, k=4, draft_cost=0.2, verify_cost=1.05)
+    >>> round(e.step_cost, 2), round(e.predicted_speedup, 2)
+    (1.25, 2.4)
+    """
+
+    tokens_per_step: float  # output tokens per target step (mean acceptance length, measured)
+    k: int  # drafts verified per step (mean, rounded; a tree's node count)
+    draft_cost: float  # drafting one step's k tokens, in plain steps (k x c)
+    verify_cost: float  # the verification forward over k + 1 tokens, in plain steps (measured curve)
+
+    @property
+    def step_cost(self) -> float:
+        return self.draft_cost + self.verify_cost
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.tokens_per_step / self.step_cost
+
+
+def step_economics(steps: Sequence[Step], verify_ms: Sequence[float],
+                   baseline_step_s: float | None = None) -> StepEconomics | None:
+    """The run's StepEconomics; None for plain decoding, or without a verify curve that reaches
+    k + 1 tokens. The plain step is baseline_step_s (measured side by side) or else the curve's
+    one-token forward."""
+    tau = mean_acceptance_length(steps)
+    drafted = [s.k for s in verify_steps(steps) if s.k > 0]
+    if tau is None or not drafted or not verify_ms:
+        return None
+    k = round(statistics.mean(drafted))
+    cost = verify_cost(verify_ms, k + 1)
+    c = cost_ratio(steps, baseline_step_s or verify_ms[0] / 1000)
+    if cost is None or c is None:
+        return None
+    return StepEconomics(tau, k, k * c, cost)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

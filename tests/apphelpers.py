@@ -57,9 +57,12 @@ def play_then_stop(client, settings: dict, first_output_s: float = 120) -> tuple
     while not job.outputs() and time.time() < deadline:
         time.sleep(0.2)
     client.predict(api_name="/stop")
-    readout = job.result(timeout=120)[1]
+    readout = job.result(timeout=120)[READOUT]
     return readout, len(job.outputs())
 
+
+# where the playground's /step, /play and /run outputs put each view (ui.playground.views)
+CARD, OUTPUT_LINE, STREAM, READOUT = 0, 1, 2, 3
 
 # request settings the app tests send (a copy prompt prompt lookup drafts well)
 PLAYGROUND = dict(prompt="Repeat exactly: red, green, blue, red, green, blue.", preset="embedded",

@@ -5,7 +5,17 @@ import json
 import pytest
 from gradio_client import Client, handle_file
 
-from apphelpers import PLAYGROUND, PREFILL, play_then_stop, prefill_compare_then_stop, running_app
+from apphelpers import (
+    CARD,
+    OUTPUT_LINE,
+    PLAYGROUND,
+    PREFILL,
+    READOUT,
+    STREAM,
+    play_then_stop,
+    prefill_compare_then_stop,
+    running_app,
+)
 
 pytestmark = [pytest.mark.app, pytest.mark.embedded]
 
@@ -19,18 +29,21 @@ def client():
 
 
 def test_generation_is_answered_through_the_api(client):
-    stream, readout, table, top, residual, tree = client.predict(api_name="/run", speed_s=0, **SETTINGS)
+    card, line, stream, readout, table, top, residual, tree = client.predict(api_name="/run", speed_s=0, **SETTINGS)
     assert "sdl-stream" in stream and "tokens/s" in readout and "TTFT" in readout
     assert "12 tokens" in readout or "finished (eos)" in readout
+    assert "red, green" in line  # the clean output line: the text a user would get
+    assert "Estimated vs plain decoding" in card  # a finished speculative run explains its own speed
+    assert "draft acceptance rate" in readout and "tokens per step_ = output tokens" in readout
 
 
 def test_step_advances_one_round_per_call_and_reset_clears(client):
-    first = client.predict(api_name="/step", **SETTINGS)[1]
-    second = client.predict(api_name="/step", **SETTINGS)[1]
+    first = client.predict(api_name="/step", **SETTINGS)[READOUT]
+    second = client.predict(api_name="/step", **SETTINGS)[READOUT]
     assert "**1 tokens** in 1 target steps" in first
     assert "in 2 target steps" in second
     client.predict(api_name="/reset")
-    again = client.predict(api_name="/step", **SETTINGS)[1]
+    again = client.predict(api_name="/step", **SETTINGS)[READOUT]
     assert "**1 tokens** in 1 target steps" in again
 
 
@@ -41,10 +54,10 @@ def test_trace_download_and_upload_round_trip(client, tmp_path):
     trace = json.loads(open(path, encoding="utf-8").read())
     assert trace["version"] == 1 and trace["steps"]
     client.predict(api_name="/reset")
-    stream, readout, *_ = client.predict(handle_file(path), api_name="/upload_trace")
+    card, line, stream, readout, *_ = client.predict(handle_file(path), api_name="/upload_trace")
     assert "Replaying a saved trace" in readout and "sdl-stream" in stream
     # stepping a replay walks the recorded steps, no model needed
-    stepped = client.predict(api_name="/step", **SETTINGS)[1]
+    stepped = client.predict(api_name="/step", **SETTINGS)[READOUT]
     assert "replaying a saved trace" in stepped
 
 
@@ -57,7 +70,7 @@ def test_bad_input_gets_a_message_and_the_app_stays_usable(client, tmp_path):
     with pytest.raises(Exception, match="trace"):
         client.predict(handle_file(str(bad)), api_name="/upload_trace")
     client.predict(api_name="/reset")
-    assert "tokens/s" in client.predict(api_name="/run", speed_s=0, **SETTINGS)[1]
+    assert "tokens/s" in client.predict(api_name="/run", speed_s=0, **SETTINGS)[READOUT]
 
 
 def test_play_streams_round_by_round_and_stop_ends_it(client):
@@ -68,17 +81,21 @@ def test_play_streams_round_by_round_and_stop_ends_it(client):
 
 def test_compare_runs_baseline_then_speculative_and_greedy_outputs_are_identical(client):
     client.predict(api_name="/reset")
-    *current, baseline, speculative, verdict = client.predict(api_name="/compare", **SETTINGS)
-    assert "outputs identical" in verdict and "measured speedup" in verdict
+    *current, baseline, speculative, verdict = client.predict(api_name="/compare", rounds=2, **SETTINGS)
+    assert "outputs identical" in verdict and "measured speedup" in verdict and "median of 2 interleaved" in verdict
     assert "**baseline**" in verdict and "tokens/s" in verdict
     assert "sdl-stream" in baseline and "sdl-stream" in speculative
+    # the verdict card: both rates, the speedup, tokens per step, identical, and why, over 2 rounds
+    card = current[CARD]
+    assert "speclab-verdict" in card and "Medians of 2 runs" in card and "identical" in card
+    assert "plain decoding (baseline)" in card and "tokens per target step" in card and "Why it" in card
     # the speculative run is now the current run: its views, charts and trace
-    assert "target steps" in current[1]
+    assert "target steps" in current[READOUT] and "sdl-stream" in current[STREAM] and current[OUTPUT_LINE]
     *plots, curve, machine = client.predict(api_name="/charts")
     assert len(plots) == 5 and "Verify curve" in curve["plot"]
     # this machine's verify curve, the dtype and why, and the prediction with the measured verify cost
     assert "Target **" in machine and "costs **" in machine and "with the measured verify cost" in machine
-    float32 = client.predict(api_name="/compare", **dict(SETTINGS, dtype="float32"))[-1]
+    float32 = client.predict(api_name="/compare", rounds=1, **dict(SETTINGS, dtype="float32"))[-1]
     assert "outputs identical" in float32
     assert "Target **float32**" in client.predict(api_name="/charts")[-1]
     with pytest.raises(Exception, match="not in the list of choices|unknown dtype"):
@@ -87,6 +104,17 @@ def test_compare_runs_baseline_then_speculative_and_greedy_outputs_are_identical
     assert trace["info"]["method"] == "prompt-lookup"
     with pytest.raises(Exception, match="choose a drafter"):
         client.predict(api_name="/compare", **dict(SETTINGS, method="baseline"))
+
+
+def test_a_scenario_button_sets_prompt_method_and_k_and_says_what_to_expect(client):
+    from ui.scenarios import load_scenarios
+
+    first = load_scenarios()[0]
+    expect, prompt, method, k, adaptive, temperature, *_ = client.predict(api_name="/scenario_fix_typos")
+    assert (prompt, method, k, temperature) == (first.prompt, first.method, first.k, first.temperature)
+    assert first.expect.split()[0] in expect and "Compare with baseline" in expect
+    with pytest.raises(Exception, match="compare rounds|maximum value"):
+        client.predict(api_name="/compare", rounds=9, **SETTINGS)
 
 
 def test_chunked_prefill_compares_two_settings_and_streams_the_timeline(client):

@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ HOSTILE = "<img src=x onerror=alert(1)>"
 UPLOAD = ("//*[contains(text(), 'upload a trace JSON')]/ancestor::*[contains(@class, 'block')][1]"
           "//input[@type='file']")
 MODEL_WAIT_S = 300  # the first generation converts and loads the embedded model on a busy CPU
+VISITOR_WINDOW = (1440, 900)  # a laptop screen: the first viewport a new visitor sees
 
 pytestmark = [pytest.mark.browser, pytest.mark.app, pytest.mark.embedded]
 
@@ -79,6 +82,14 @@ class Page:
         box.send_keys(Keys.CONTROL, "a")
         box.send_keys(str(value), Keys.TAB)
 
+    def choose(self, elem_id: str, option: str) -> None:
+        box = self.el(elem_id).find_element(By.CSS_SELECTOR, "input")
+        box.click()
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys(option)
+        box.send_keys(Keys.ENTER)
+        self.wait(lambda: box.get_attribute("value") == option, f"{option} in #{elem_id}", 10)
+
     def open_tab(self, label: str) -> None:
         tab = next(b for b in self.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text == label)
         tab.click()
@@ -93,26 +104,53 @@ class Page:
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def app_url():
     from apphelpers import running_app
 
-    shots = Path(os.environ.get("SPECLAB_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
-    shots.mkdir(parents=True, exist_ok=True)
-    profile = tmp_path_factory.mktemp("chromium-profile")
+    with running_app() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("SPECLAB_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextmanager
+def browser(url: str, shots: Path, profile: Path, size: tuple[int, int] | None = None) -> Iterator[Page]:
+    """A fresh browser session (its own profile, so its own gradio session) on the app."""
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (*FLAGS, f"--user-data-dir={profile}"):
         options.add_argument(flag)
-    with running_app() as url:
-        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-        try:
-            driver.get(url)
-            page = Page(driver, shots)
-            page.wait(lambda: driver.find_elements(By.ID, "step-btn"), "the playground")
-            yield page
-        finally:
-            driver.quit()
-            shutil.rmtree(profile, ignore_errors=True)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        if size:  # the viewport (what the page gets), not the window with its frame
+            driver.set_window_size(*size)
+            inner = driver.execute_script("return [window.innerWidth, window.innerHeight]")
+            driver.set_window_size(2 * size[0] - inner[0], 2 * size[1] - inner[1])
+        driver.get(url)
+        page = Page(driver, shots)
+        page.wait(lambda: driver.find_elements(By.ID, "step-btn"), "the playground")
+        yield page
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def page(app_url, shots, tmp_path_factory):
+    with browser(app_url, shots, tmp_path_factory.mktemp("chromium-profile")) as page:
+        yield page
+
+
+@pytest.fixture
+def visitor(app_url, shots, tmp_path):
+    """A new visitor at 1440 x 900: a fresh session, nothing run yet."""
+    with browser(app_url, shots, tmp_path / "profile", size=VISITOR_WINDOW) as page:
+        yield page
 
 
 def test_stepping_a_speculative_decode_shows_coloured_tokens(page):
@@ -198,3 +236,136 @@ def test_answering_a_quiz_question(page):
     page.wait_text(f"lesson{lesson.order}-q{i}-feedback", "Correct", timeout=60)
     assert "Score: 1 /" in page.el(f"lesson{lesson.order}-score").text
     page.shot("quiz")
+
+
+def in_first_viewport(page: Page, elem_id: str) -> bool:
+    """Is the element wholly visible without scrolling (page at its top)?"""
+    return page.driver.execute_script(
+        "const r = arguments[0].getBoundingClientRect();"
+        "return window.scrollY === 0 && r.height > 0 && r.top >= 0 && r.bottom <= window.innerHeight;",
+        page.el(elem_id))
+
+
+def error_badges(page: Page) -> list:
+    """Gradio's red "Error" badges that are visible on the page."""
+    return [b for b in page.driver.find_elements(By.CSS_SELECTOR, "[data-testid=status-tracker] .error")
+            if b.is_displayed()]
+
+
+def test_a_new_visitor_presses_the_first_scenario_then_compare_and_sees_the_verdict(visitor):
+    first = visitor.driver.find_elements(By.CSS_SELECTOR, "#scenarios button")[0]
+    assert first.get_attribute("id") == "scenario-fix-typos" and in_first_viewport(visitor, "compare-btn")
+    first.click()
+    visitor.wait_text("scenario-expect", "Copy-editing", timeout=30)
+    visitor.set_number("compare-rounds", 2)
+    visitor.el("compare-btn").click()
+    card = visitor.wait(lambda: visitor.driver.find_elements(By.CSS_SELECTOR, "#verdict .speclab-verdict"),
+                        "the verdict card")[0]
+    visitor.wait(lambda: "Medians of 2 runs" in card.text, "both rounds")
+    visitor.driver.execute_script("window.scrollTo(0, 0)")
+    time.sleep(0.5)
+    visitor.shot("first-view-verdict")
+    assert in_first_viewport(visitor, "verdict")
+    speedup = float(card.find_element(By.CSS_SELECTOR, "[data-speedup]").get_attribute("data-speedup"))
+    assert speedup > 0 and f"{speedup:.2f}" in card.text
+    for label in ("plain decoding (baseline)", "tokens/s", "tokens per target step", "identical", "Why it"):
+        assert label in card.text, label
+    assert visitor.el("output-line").text.strip()  # the clean output, above the annotated stream
+
+
+def test_compare_is_offered_only_for_a_drafter(visitor):
+    visitor.choose("method", "baseline")
+    visitor.wait(lambda: not visitor.el("compare-btn").is_enabled(), "Compare disabled", 30)
+    visitor.choose("method", "prompt-lookup")
+    visitor.wait(lambda: visitor.el("compare-btn").is_enabled(), "Compare enabled", 30)
+
+
+def test_an_error_shows_in_place_and_no_badge_covers_the_views(visitor):
+    visitor.type_into("prompt", " ")
+    visitor.el("step-btn").click()
+    visitor.wait_text("verdict", "the prompt is empty", timeout=60)
+    time.sleep(1)
+    visitor.shot("error-in-place")
+    assert not error_badges(visitor)
+    assert in_first_viewport(visitor, "verdict")
+    visitor.type_into("prompt", "Repeat exactly: one, two, three.")
+    visitor.set_number("max-new-tokens", 8)
+    visitor.driver.execute_script("arguments[0].click()", visitor.el("run-btn"))
+    visitor.wait_text("readout", "finished")
+    assert "the prompt is empty" not in visitor.el("verdict").text  # a good run replaces the message
+
+
+def test_a_settings_change_or_lesson_preset_clears_the_run_shown(visitor):
+    visitor.set_number("max-new-tokens", 8)
+    visitor.el("run-btn").click()
+    visitor.wait_text("readout", "finished")
+    visitor.set_number("k", 3)  # any run setting
+    visitor.wait_text("readout", "Nothing generated yet", timeout=30)
+    assert "Settings changed" in visitor.el("verdict").text
+    assert not visitor.driver.find_elements(By.CSS_SELECTOR, "#token-stream .sdl-stream [data-step]")
+    visitor.el("run-btn").click()
+    visitor.wait_text("readout", "finished")
+    visitor.open_tab("Lessons")
+    try_it = visitor.wait(lambda: visitor.driver.find_elements(By.ID, "lesson1-try1"), "a try-it button", 30)[0]
+    visitor.driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", try_it)
+    try_it.click()
+    visitor.wait(lambda: visitor.el("step-btn").is_displayed(), "the playground", 30)
+    visitor.wait_text("readout", "Nothing generated yet", timeout=30)
+    assert not visitor.driver.find_elements(By.CSS_SELECTOR, "#token-stream .sdl-stream [data-step]")
+
+
+def plot_points(page: Page, elem_id: str) -> int:
+    """How many data points the plotly chart inside the element draws."""
+    return page.driver.execute_script(
+        "const p = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');"
+        "return p && p.data ? p.data.reduce((n, t) => n + (t.x ? t.x.length : 0), 0) : -1;", elem_id)
+
+
+def test_charts_follow_every_step_and_reset(visitor):
+    header = visitor.el("charts-accordion").find_element(By.CSS_SELECTOR, "button.label-wrap")
+    visitor.driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", header)
+    header.click()
+    visitor.set_number("max-new-tokens", 16)
+    counts = []
+    for n in (1, 2, 3):
+        visitor.el("step-btn").click()
+        visitor.wait_text("readout", f"in {n} target steps", "finished")
+        visitor.wait(lambda: plot_points(visitor, "run-timeline") > (counts[-1] if counts else 0),
+                     "the timeline to follow the step", 60)
+        counts.append(plot_points(visitor, "run-timeline"))
+    visitor.el("reset-btn").click()
+    visitor.wait(lambda: plot_points(visitor, "run-timeline") < counts[-1], "the timeline to clear", 60)
+
+
+def test_rejected_drafts_can_be_hidden(visitor):
+    visitor.type_into("prompt", "Explain in two sentences why the sea is salty.")
+    visitor.set_number("max-new-tokens", 24)
+    visitor.el("run-btn").click()
+    visitor.wait_text("readout", "finished")
+    shown = len(visitor.driver.find_elements(By.CSS_SELECTOR, "#token-stream .sdl-rejected"))
+    visitor.el("show-rejected").find_element(By.CSS_SELECTOR, "input").click()
+    visitor.wait(lambda: not visitor.driver.find_elements(By.CSS_SELECTOR, "#token-stream .sdl-rejected"),
+                 "rejected drafts hidden", 30)
+    assert shown > 0  # prompt lookup drafted and the target rejected some, before the toggle
+
+
+def quiz_order(page: Page) -> list[str]:
+    """The option labels of every choice question of every lesson, in the order shown."""
+    page.open_tab("Lessons")
+    page.wait(lambda: page.driver.find_elements(By.CSS_SELECTOR, "[id^=lesson][id$=-answer]"), "the quiz", 30)
+    order = []
+    for answer in page.driver.find_elements(By.CSS_SELECTOR, "[id^=lesson][id$=-answer]"):
+        labels = answer.find_elements(By.CSS_SELECTOR, "label")
+        order.append("|".join(label.get_attribute("textContent").strip() for label in labels))
+    return [o for o in order if o]
+
+
+def test_quiz_options_are_shuffled_per_learner(app_url, shots, tmp_path):
+    orders = []
+    for name in ("one", "two"):
+        with browser(app_url, shots, tmp_path / name, size=VISITOR_WINDOW) as learner:
+            time.sleep(2)  # the session's order arrives with the page's load event
+            orders.append(quiz_order(learner))
+    options = [[sorted(o.split("|")) for o in order] for order in orders]
+    assert len(orders[0]) >= 3 and options[0] == options[1]  # the same questions with the same options
+    assert orders[0] != orders[1]  # in another order (two sessions agreeing on every question: ~1e-4)

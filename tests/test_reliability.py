@@ -25,6 +25,7 @@ from engine.run import RunRequest, run
 from engine.sampling import SamplingConfig
 from engine.session import RunSession
 from engine.trace import MAX_ITEMS, MAX_OUTPUT_TOKENS, trace_from_json, trace_to_json
+from apphelpers import OUTPUT_LINE, READOUT, STREAM
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 
@@ -292,7 +293,7 @@ def client(url):
 
 
 def normal_request_succeeds(c) -> None:
-    readout = c.predict(api_name="/step", **SETTINGS)[1]
+    readout = c.predict(api_name="/step", **SETTINGS)[READOUT]
     assert "target steps" in readout, readout
 
 
@@ -396,7 +397,7 @@ def test_stop_ends_only_its_own_sessions_play_promptly(app_url):
     assert not job.done()
     stopped_at = time.perf_counter()
     player.predict(api_name="/stop")
-    readout = job.result(timeout=60)[1]
+    readout = job.result(timeout=60)[READOUT]
     took = time.perf_counter() - stopped_at
     assert "finished (stopped)" in readout and took < 30
     print(f"\nstop: the play ended {took:.2f} s after Stop")
@@ -424,9 +425,10 @@ def test_model_output_that_is_html_is_shown_as_text(app_url):
     c = client(app_url)
     c.predict(api_name="/reset")
     prompt = f"Repeat exactly: {HOSTILE}"
-    stream = c.predict(api_name="/run", **dict(SETTINGS, prompt=prompt, max_new_tokens=16, speed_s=0))[0]
+    shown = c.predict(api_name="/run", **dict(SETTINGS, prompt=prompt, max_new_tokens=16, speed_s=0))
     trace = json.loads(Path(c.predict(api_name="/download_trace")).read_text(encoding="utf-8"))
     output = "".join(t["text"] for s in trace["steps"] for t in s["emitted"])
     assert HOSTILE in output  # the model really echoed it
-    text, tags = visible_text_and_tags(stream)
-    assert HOSTILE in text and "img" not in tags
+    for view in (shown[STREAM], shown[OUTPUT_LINE]):  # the annotated stream and the clean output line
+        text, tags = visible_text_and_tags(view)
+        assert HOSTILE in text and "img" not in tags

@@ -19,7 +19,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from apphelpers import PLAYGROUND, PREFILL, play_then_stop, prefill_compare_then_stop, running_app
+from apphelpers import PLAYGROUND, PREFILL, READOUT, play_then_stop, prefill_compare_then_stop, running_app
 from engine.decoding import DecodeConfig
 from engine.drafters import DrafterSpec
 from engine.models import load_model
@@ -192,18 +192,18 @@ def emitted(steps) -> list[list[int]]:
 @pytest.mark.embedded
 def test_stepping_on_the_zerogpu_path_gives_the_live_runs_tokens(client, live_trace):
     client.predict(api_name="/reset")
-    first = client.predict(api_name="/step", **SETTINGS)[1]
-    second = client.predict(api_name="/step", **SETTINGS)[1]
+    first = client.predict(api_name="/step", **SETTINGS)[READOUT]
+    second = client.predict(api_name="/step", **SETTINGS)[READOUT]
     assert "**1 tokens** in 1 target steps" in first and "in 2 target steps" in second
     assert "replaying" not in second
     live = [list(s.emitted_token_ids) for s in live_trace.steps]
     assert emitted(downloaded(client)["steps"]) == live[:2]
-    readout = client.predict(api_name="/run", speed_s=0, **SETTINGS)[1]  # same settings: the run goes on
+    readout = client.predict(api_name="/run", speed_s=0, **SETTINGS)[READOUT]  # same settings: the run goes on
     trace = downloaded(client)
     assert emitted(trace["steps"]) == live and trace["stop_reason"] == live_trace.stop_reason
     assert f"finished ({live_trace.stop_reason})" in readout
     client.predict(api_name="/reset")
-    assert "**1 tokens** in 1 target steps" in client.predict(api_name="/step", **SETTINGS)[1]
+    assert "**1 tokens** in 1 target steps" in client.predict(api_name="/step", **SETTINGS)[READOUT]
 
 
 @pytest.mark.app
@@ -224,7 +224,7 @@ def test_compare_and_bad_input_on_the_zerogpu_path(client, live_trace):
     # an error raised inside the GPU call comes back as the same message
     with pytest.raises(Exception, match=r"the prompt has \d+ tokens; this model's context is 8192"):
         client.predict(api_name="/run", speed_s=0, **dict(SETTINGS, prompt="w " * 9000))
-    assert "target steps" in client.predict(api_name="/step", **SETTINGS)[1]
+    assert "target steps" in client.predict(api_name="/step", **SETTINGS)[READOUT]
 
 
 @pytest.mark.app

@@ -26,10 +26,11 @@ import gradio as gr  # noqa: E402
 from engine.metrics import percentile  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.session import RunSession  # noqa: E402
-from ui.playground import CHAIN, DEFAULT_PROMPT, PlaygroundState, build_request, views  # noqa: E402
+from ui.playground import CHAIN, PlaygroundState, build_request, views  # noqa: E402
+from ui.scenarios import load_scenarios  # noqa: E402
 
 # the components the playground sends a step's views to, in views()' order
-OUTPUTS = (gr.HTML(), gr.Markdown(), gr.Dataframe(), gr.Dataframe(), gr.Plot(), gr.Plot())
+OUTPUTS = (gr.HTML(), gr.HTML(), gr.HTML(), gr.Markdown(), gr.Dataframe(), gr.Dataframe(), gr.Plot(), gr.Plot())
 
 
 def postprocess(values) -> None:
@@ -46,7 +47,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tree", default=CHAIN)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--prompt", default=load_scenarios()[0].prompt)
     args = parser.parse_args()
 
     request = build_request(args.prompt, args.preset, args.method, args.k, False, 0, 0, 1.0, 0, args.max_new_tokens,

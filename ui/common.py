@@ -12,7 +12,7 @@ from pathlib import Path
 import gradio as gr
 
 from engine.errors import InputError
-from engine.models import presets
+from engine.models import preset_unavailable, presets
 
 
 def default_preset() -> str:
@@ -20,7 +20,18 @@ def default_preset() -> str:
 
 
 def preset_choices() -> list[str]:
-    return list(presets())
+    """The presets this machine can run: hub presets show only where their models are cached
+    or the hub is reachable (engine.models.preset_unavailable)."""
+    return [name for name in presets() if name == default_preset() or preset_unavailable(name) is None]
+
+
+def check_preset(preset) -> None:
+    """A preset from a request: known and runnable here, else a one-line reason."""
+    if preset not in presets():
+        raise InputError(f"unknown preset {preset!r} (choose one of {', '.join(preset_choices())})")
+    reason = preset_unavailable(preset)
+    if reason:
+        raise InputError(reason)
 
 
 # what HTML reads as the start of a tag or a character reference; any other < or & is plain text

@@ -264,9 +264,11 @@ def _wire_lesson(page: LessonPage, lessons, progress: gr.State, overview: gr.Mar
     for j, preset, button in page.tries:
         if isinstance(preset, PlaygroundPreset):
             fields = [playground[f] for f in PLAYGROUND_FIELDS]
+            clear, clear_inputs, clear_outputs = playground["clear"]  # the old run goes, even if no field changed
             button.click(functools.partial(try_playground, preset), [playground["state"]],
                          [tabs, playground["state"], *fields],
-                         api_name=endpoint(lesson, f"try{j}"), api_visibility="undocumented")
+                         api_name=endpoint(lesson, f"try{j}"), api_visibility="undocumented"
+                         ).then(clear, clear_inputs, clear_outputs, api_name=False, show_progress="hidden")
         else:
             fields = [prefill[f] for f in PREFILL_FIELDS]
             button.click(functools.partial(try_prefill, preset), None, [tabs, *fields],
