@@ -3,7 +3,9 @@
     python tools/screenshots.py                      # launches the app on a free port
     python tools/screenshots.py --url http://127.0.0.1:7860/ --out docs
 
-Drives the page as a user would (type a prompt, Step a sampled run a few times, run it to the
+Drives the page as a user would: first as a new visitor at 1440 x 900 (the first view, the first
+scenario button then Compare: the verdict card; a losing scenario's verdict), then (type a prompt,
+Step a sampled run a few times, run it to the
 end, Compare greedy decoding with the baseline, open the charts, switch to the Chunked prefill
 tab and compare two settings) and saves one PNG per view (the verify curve view too). The MTP tree is
 shot only when the mtp drafter can run on the preset (it needs trained heads). Needs chromium
@@ -120,6 +122,41 @@ class Page:
         return next(p for p in self.driver.find_elements(By.CSS_SELECTOR, "[role=tabpanel]") if p.is_displayed())
 
 
+def set_viewport(page: Page, width: int, height: int) -> None:
+    """The page's viewport (not the window with its frame) at width x height."""
+    page.driver.set_window_size(width, height)
+    inner = page.driver.execute_script("return [window.innerWidth, window.innerHeight]")
+    page.driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])
+    time.sleep(0.5)
+
+
+def viewport_shot(page: Page, name: str) -> Path:
+    page.driver.execute_script("window.scrollTo(0, 0)")
+    time.sleep(1.0)
+    path = page.out / f"{name}.png"
+    page.driver.save_screenshot(str(path))
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return path
+
+
+def first_view(page: Page, size: tuple[int, int]) -> None:
+    """What a new visitor sees at 1440 x 900: the page as it opens, then after the first scenario
+    button and Compare (the verdict card in the first viewport); then a scenario that loses."""
+    set_viewport(page, 1440, 900)
+    viewport_shot(page, "playground-first-view")
+    page.click("scenario-fix-typos")
+    page.click("compare-btn")
+    page.wait(lambda: "Medians of 3 runs" in page.text("verdict"), MODEL_WAIT_S, "the verdict card")
+    viewport_shot(page, "playground-first-view-verdict")
+    page.shot("verdict", "playground-verdict")
+    page.click("scenario-open-question")
+    page.wait_text("readout", "Nothing generated yet", timeout=30)
+    page.click("compare-btn")
+    page.wait(lambda: "Medians of 3 runs" in page.text("verdict"), MODEL_WAIT_S, "the verdict card")
+    page.shot("verdict", "playground-verdict-mtp")
+    set_viewport(page, *size)
+
+
 def playground(page: Page) -> None:
     page.type_into("prompt", PROMPT)
     page.set_number("max-new-tokens", 64)
@@ -160,6 +197,13 @@ def mtp_tree(page: Page) -> None:
     page.wait_text("readout", "finished")
     page.plots_drawn("mtp-tree")
     page.shot("mtp-tree", "playground-mtp-tree")
+    page.shot("output-line", "playground-output-line-tree")
+    page.shot("token-stream", "playground-token-stream-tree")
+    page.el("show-rejected").find_element(By.CSS_SELECTOR, "input").click()
+    page.wait(lambda: not page.driver.find_elements(By.CSS_SELECTOR, "#token-stream .sdl-rejected"), 30,
+              "rejected drafts hidden")
+    page.shot("token-stream", "playground-token-stream-tree-kept")
+    page.el("show-rejected").find_element(By.CSS_SELECTOR, "input").click()
 
 
 def chunked_prefill(page: Page) -> None:
@@ -219,6 +263,7 @@ def main() -> int:
     args = parser.parse_args()
     with open_app(args) as page:
         page.wait_text("model-status", "Model ready", timeout=MODEL_WAIT_S)
+        first_view(page, (args.width, args.height))
         playground(page)
         reason = mtp_available(args.preset)
         if reason:
