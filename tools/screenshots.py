@@ -164,6 +164,10 @@ def playground(page: Page) -> None:
     for n in range(1, VERIFY_SHOT_STEP + 1):
         page.click("step-btn")
         page.wait_text("readout", f"in {n} target steps", "finished")
+        # the drafts show first, then the verdict, then the charts follow: a click before that is ignored
+        page.wait(lambda: not page.driver.find_elements(By.CSS_SELECTOR, "#token-stream .sdl-pending"), 60,
+                  "the step's verdict")
+        time.sleep(1.5)
     time.sleep(2)  # the verdict follows the drafts
     page.shot("verify-accordion", "playground-verify-table")
     page.click("run-btn")  # the same run, on to its end
