@@ -48,6 +48,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+from browserhelpers import pick  # noqa: E402
+
 
 def rgb(color: str) -> str:
     """'#009E73' -> 'rgb(0, 158, 115)', as getComputedStyle reports colours."""
@@ -84,10 +86,7 @@ class Page:
 
     def choose(self, elem_id: str, option: str) -> None:
         box = self.el(elem_id).find_element(By.CSS_SELECTOR, "input")
-        box.click()
-        box.send_keys(Keys.CONTROL, "a")
-        box.send_keys(option)
-        box.send_keys(Keys.ENTER)
+        pick(box, option)
         self.wait(lambda: box.get_attribute("value") == option, f"{option} in #{elem_id}", 10)
 
     def open_tab(self, label: str) -> None:

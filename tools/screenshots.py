@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from apphelpers import running_app  # noqa: E402
+from browserhelpers import pick  # noqa: E402
 
 from engine.drafters import DrafterSpec, build_drafter, drafter_names  # noqa: E402
 from engine.errors import InputError  # noqa: E402
@@ -88,10 +89,7 @@ class Page:
 
     def choose(self, elem_id: str, option: str) -> None:
         box = self.el(elem_id).find_element(By.CSS_SELECTOR, "input")
-        box.click()
-        box.send_keys(Keys.CONTROL, "a")
-        box.send_keys(option)
-        box.send_keys(Keys.ENTER)
+        pick(box, option)
         self.wait(lambda: box.get_attribute("value") == option, 10, f"{option} in #{elem_id}")
 
     def open_accordion(self, elem_id: str) -> None:
@@ -149,11 +147,13 @@ def first_view(page: Page, size: tuple[int, int]) -> None:
     page.wait(lambda: "Medians of 3 runs" in page.text("verdict"), MODEL_WAIT_S, "the verdict card")
     viewport_shot(page, "playground-first-view-verdict")
     page.shot("verdict", "playground-verdict")
+    print(f"verdict, first scenario: {page.text('verdict')}")
     page.click("scenario-open-question")
     page.wait_text("readout", "Nothing generated yet", timeout=30)
     page.click("compare-btn")
     page.wait(lambda: "Medians of 3 runs" in page.text("verdict"), MODEL_WAIT_S, "the verdict card")
     page.shot("verdict", "playground-verdict-mtp")
+    print(f"verdict, open question: {page.text('verdict')}")
     set_viewport(page, *size)
 
 
