@@ -552,12 +552,14 @@ def build_playground():
                                    elem_id="compare-rounds")
         with gr.Column(scale=2):
             with gr.Row():
-                compare_btn = gr.Button("Compare with baseline", variant="primary", elem_id="compare-btn")
-                step_btn = gr.Button("Step", elem_id="step-btn")
-                play_btn = gr.Button("Play", elem_id="play-btn")
-                run_btn = gr.Button("Generate (run to end)", elem_id="run-btn")
-                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", min_width=80)
-                reset_btn = gr.Button("Reset", elem_id="reset-btn", min_width=80)
+                # one row at 1440 px: the long labels get the room, the short ones their minimum
+                compare_btn = gr.Button("Compare with baseline", variant="primary", elem_id="compare-btn", scale=2,
+                                        min_width=150)
+                step_btn = gr.Button("Step", elem_id="step-btn", min_width=70)
+                play_btn = gr.Button("Play", elem_id="play-btn", min_width=70)
+                run_btn = gr.Button("Generate (run to end)", elem_id="run-btn", scale=2, min_width=150)
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", min_width=70)
+                reset_btn = gr.Button("Reset", elem_id="reset-btn", min_width=70)
             verdict_card = gr.HTML("", elem_id="verdict")
             output_line = gr.HTML(output_line_html([]), elem_id="output-line")
             info = gr.Markdown("Nothing generated yet.", elem_id="readout", label="readout")
