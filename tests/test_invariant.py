@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
-from engine.invariant import InvariantLinear, invariant_softmax, row_invariant, self_check
+from engine.invariant import FusedLinear, InvariantLinear, invariant_softmax, row_invariant, self_check
 from engine.models import choose_dtype, load_model
 from engine.mtp.tree import tree_inputs
 from engine.trace import Step
@@ -75,6 +75,58 @@ def test_invariant_linear_sends_one_row_through_the_multi_row_kernel():
     together = fixed(x)
     assert all(torch.equal(fixed(x[i:i + 1])[0], together[i]) for i in range(9))
     assert torch.equal(fixed(x[None, 2:3])[0, 0], together[2])  # (B, T, H) input, T = 1
+
+
+@torch.inference_mode()
+def fused_members_match_their_own_products(model: torch.nn.Module, rows=(1, 2, 5, 9, 33)) -> int:
+    """Each fused projection's slice, called as the model calls it (every member on one input),
+    equals the member's own product bitwise, for one row and for many; returns the members seen."""
+    layers = [m for m in model.modules() if hasattr(m, "q_proj") or hasattr(m, "gate_proj")]
+    seen = 0
+    for layer in layers[:3] + layers[-3:]:
+        members = [m for m in layer.children() if isinstance(m, FusedLinear)]
+        for n in rows:
+            x = torch.randn(1, n, members[0].in_features, generator=torch.Generator().manual_seed(n)).to(members[0].weight.dtype)
+            together = [m(x) for m in members]  # the first computes the fused product, the others slice it
+            for m, out in zip(members, together):
+                alone = torch.stack([torch.nn.functional.linear(torch.cat([x[:, i:i + 1]] * 2, dim=1), m.weight, m.bias)[0, 0]
+                                     for i in range(n)])
+                assert torch.equal(out[0], alone), (m, n)
+            assert members[0]._group._pending.value is None  # nothing kept once each member had its share
+        seen += len(members)
+    return seen
+
+
+def test_fused_projections_keep_the_bits_of_the_separate_products(tiny_bf16, embedded_bf16):
+    assert fused_members_match_their_own_products(tiny_bf16.model) > 0
+    # the first and last three attention or MLP modules: q, k, v (3) and gate, up (2) alternate
+    assert fused_members_match_their_own_products(embedded_bf16.model) == (3 + 2) * 3
+    # a member called on another input (or twice) computes its own share again
+    member = next(m for m in embedded_bf16.model.modules() if isinstance(m, FusedLinear))
+    x = torch.randn(1, 3, member.in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(member(x), member(x)) and torch.equal(member(x), member(x.clone()))
+        member._group._pending.value = None
+
+
+def test_a_copied_or_reloaded_fused_layer_uses_its_own_current_weights(tiny_bf16):
+    import copy
+
+    layer = copy.deepcopy(tiny_bf16.model.model.layers[0].self_attn)  # as a distilled draft copies layers
+    q, k = layer.q_proj, layer.k_proj
+    assert isinstance(q, FusedLinear) and q._group is not tiny_bf16.model.model.layers[0].self_attn.q_proj._group
+    x = torch.randn(1, 4, q.in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = k(x)
+    with torch.no_grad():
+        k.weight.mul_(2)  # loading trained weights writes in place
+    with torch.inference_mode():
+        assert torch.equal(q(x), torch.nn.functional.linear(x, q.weight)) and torch.equal(k(x), torch.nn.functional.linear(x, k.weight))
+        assert not torch.equal(k(x), before)
+    assert torch.equal(tiny_bf16.model.model.layers[0].self_attn.k_proj.weight * 2, k.weight)  # the original is untouched
+    k.weight.requires_grad_(True)  # training: the members run alone, so gradients reach them
+    k(x.float().to(torch.bfloat16)).sum().backward()
+    assert k.weight.grad is not None
 
 
 @pytest.mark.parametrize("threads", [1, 2])
