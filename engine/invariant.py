@@ -208,14 +208,6 @@ class InvariantLinear(torch.nn.Linear):
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears that read one input
 
 
-def _stamp(t: torch.Tensor | None) -> tuple[int, int] | None:
-    """Where a tensor lives and how often it was written in place (a weight that was copied,
-    loaded into or trained since the fused weight was made from it no longer matches)."""
-    if t is None:
-        return None
-    return t.data_ptr(), -1 if t.is_inference() else t._version
-
-
 class _FusedGroup:
     """Sibling linears that read the same input (a layer's q/k/v projections; an MLP's gate and
     up projections) computed as one matrix product, as vLLM's merged QKV and gate-up layers do:
@@ -243,7 +235,11 @@ class _FusedGroup:
         self._stamps = self._current()
 
     def _current(self) -> tuple:
-        return tuple((_stamp(m.weight), _stamp(m.bias)) for m in self.members)
+        """Each member parameter (its module's dict, its name, the tensor) and its in-place write
+        count: a layer copied with its members, weights loaded into them or trained since no
+        longer match the fused weight."""
+        return tuple((m._parameters, name, p, -1 if p.is_inference() else p._version)
+                     for m in self.members for name, p in m._parameters.items() if p is not None)
 
     @torch.no_grad()
     def _build(self) -> None:
@@ -258,10 +254,32 @@ class _FusedGroup:
         self.duplicate_row = not row_invariant(whole)  # single rows need the multi-row kernel
         self._stamps = self._current()
 
+    def _fresh(self) -> bool:
+        if self._stamps is None:  # a copy: fresh if its members' weights are still slices of the fused ones
+            if not self._slices_of_fused():
+                return False
+            self._stamps = self._current()
+        for params, name, p, version in self._stamps:
+            q = params.get(name)
+            if q is not p or (version >= 0 and q._version != version):
+                return False
+        return True
+
+    def _slices_of_fused(self) -> bool:
+        start = 0
+        for m in self.members:
+            for p, fused in ((m.weight, self.weight), (m.bias, self.bias)):
+                if (p is None) != (fused is None):
+                    return False
+                if p is not None and (p.data_ptr() != fused[start].data_ptr() or p.shape[0] != m.out_features):
+                    return False
+            start += m.out_features
+        return True
+
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:
         pending = getattr(self._pending, "value", None)
         if pending is None or pending[0] is not x or member not in pending[2]:
-            if self._current() != self._stamps:
+            if not self._fresh():
                 self._build()
             if self.duplicate_row and x.numel() == x.shape[-1]:
                 out = F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
@@ -273,12 +291,13 @@ class _FusedGroup:
         return pending[1]
 
     def __deepcopy__(self, memo: dict) -> "_FusedGroup":
-        """A copied layer gets its own group over its copied members (it fuses again at its
-        first call if their weights are copies, as Parameter copies are)."""
+        """A copied layer gets its own group over its copied members. At its first call it keeps
+        the fused weight if their weights are still its slices (a copy sharing the tensors) and
+        fuses again if they are copies (as Parameter copies are)."""
         new = _FusedGroup.__new__(_FusedGroup)
         memo[id(self)] = new
         new.members = [copy.deepcopy(m, memo) for m in self.members]
-        new.weight, new.bias, new.duplicate_row, new._stamps = self.weight, self.bias, self.duplicate_row, self._stamps
+        new.weight, new.bias, new.duplicate_row, new._stamps = self.weight, self.bias, self.duplicate_row, None
         new._pending = threading.local()
         return new
 
@@ -291,7 +310,7 @@ class FusedLinear(torch.nn.Linear):
     _columns: slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
+        if torch.is_grad_enabled() and (self._parameters["weight"].requires_grad or x.requires_grad):
             return F.linear(x, self.weight, self.bias)
         return self._group.output(x, self._member)[..., self._columns]
 

@@ -124,6 +124,12 @@ def test_a_copied_or_reloaded_fused_layer_uses_its_own_current_weights(tiny_bf16
         assert torch.equal(q(x), torch.nn.functional.linear(x, q.weight)) and torch.equal(k(x), torch.nn.functional.linear(x, k.weight))
         assert not torch.equal(k(x), before)
     assert torch.equal(tiny_bf16.model.model.layers[0].self_attn.k_proj.weight * 2, k.weight)  # the original is untouched
+    # a copy that shares the tensors (the packed serving view) keeps the one fused weight
+    attn = tiny_bf16.model.model.layers[0].self_attn
+    shared = {id(t): t for t in attn.parameters()}
+    view = copy.deepcopy(attn, memo=shared)
+    with torch.inference_mode():
+        assert torch.equal(view.q_proj(x), attn.q_proj(x)) and view.q_proj._group.weight is attn.q_proj._group.weight
     k.weight.requires_grad_(True)  # training: the members run alone, so gradients reach them
     k(x.float().to(torch.bfloat16)).sum().backward()
     assert k.weight.grad is not None
