@@ -303,16 +303,18 @@ class LoadedModel:
             return tuple(raw)
         return ()  # the token really is U+FFFD
 
-    def encode(self, prompt: str, raw: bool = False) -> list[int]:
-        """Prompt -> token ids: the chat template for instruct models unless raw."""
+    def encode(self, prompt: str, raw: bool = False, system: str = "") -> list[int]:
+        """Prompt -> token ids: the chat template for instruct models unless raw (with a system
+        message when one is given; raw text puts it before the prompt, as a paragraph)."""
         if not raw and getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": system}] if system else []
             ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                messages + [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [int(i) for i in ids]
-        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+        return [int(i) for i in self.tokenizer(f"{system}\n\n{prompt}" if system else prompt)["input_ids"]]
 
 
 _lock = threading.Lock()

@@ -23,14 +23,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from engine.decoding import MAX_NEW_TOKENS
 from engine.errors import InputError
 from engine.models import LoadedModel
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 from engine.serving.packed import Segment, forward_packed
-from engine.serving.records import ItemKind, RequestRecord, ServeStep
+from engine.serving.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET_TOKENS, CacheStats, PrefixCache, RequestKV
+from engine.serving.records import ItemKind, RequestRecord, ServeStep, StepItem
 from engine.serving.scheduler import Live, Policy, schedule
 from engine.serving.workload import Workload, WorkloadRequest
 
@@ -42,8 +42,13 @@ class ServeConfig:
     token_budget: int | None = None  # most tokens in one step; None: see budget()
     max_new_tokens: int | None = None  # replaces every request's own limit; None keeps them
     sampling: SamplingConfig = SamplingConfig()
+    prefix_cache: bool = False  # reuse the KV of prompt prefixes already prefilled (engine.serving.prefix_cache)
+    prefix_block: int = DEFAULT_BLOCK_SIZE  # tokens per cached block
+    prefix_budget: int = DEFAULT_BUDGET_TOKENS  # most tokens the cache holds
 
     def __post_init__(self) -> None:
+        if self.prefix_cache:
+            PrefixCache(self.prefix_block, self.prefix_budget)  # checks both
         if not isinstance(self.policy, Policy):
             raise InputError(f"unknown policy {self.policy!r} ({', '.join(p.value for p in Policy)})")
         if not _is_int(self.chunk_size) or self.chunk_size < 1:
@@ -73,10 +78,15 @@ class _Request:
     prompt_ids: list[int]
     max_new_tokens: int
     rng: torch.Generator
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: RequestKV = field(default_factory=RequestKV)
     prefilled: int = 0
+    started: bool = False  # scheduled at least once (its prefix-cache lookup is then final)
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+
+    @property
+    def reused(self) -> int:
+        return self.cache.reused
 
     def live(self) -> Live:
         return Live(self.spec.request_id, len(self.prompt_ids), self.prefilled, len(self.output))
@@ -85,7 +95,7 @@ class _Request:
         return RequestRecord(
             request_id=self.spec.request_id, cls=self.spec.cls, arrival_s=self.spec.arrival_s,
             prompt_tokens=len(self.prompt_ids), first_token_s=self.times[0], token_times_s=tuple(self.times),
-            output_token_ids=tuple(self.output), stop_reason=stop_reason,
+            output_token_ids=tuple(self.output), stop_reason=stop_reason, reused_tokens=self.reused,
         )
 
 
@@ -95,7 +105,7 @@ def encode_workload(target: LoadedModel, workload: Workload, cfg: ServeConfig) -
         raise InputError("the workload has no requests")
     if cfg.chunk_size > target.max_context:
         raise InputError(f"chunk size {cfg.chunk_size} is above the model's context {target.max_context}")
-    prompts = [target.encode(r.prompt, raw=workload.raw) for r in workload.requests]
+    prompts = [target.encode(r.prompt, raw=workload.raw, system=r.system) for r in workload.requests]
     for r, ids in zip(workload.requests, prompts):
         if not ids:
             raise InputError(f"request {r.request_id}: the prompt is empty")
@@ -114,10 +124,15 @@ def encode_workload(target: LoadedModel, workload: Workload, cfg: ServeConfig) -
     return prompts
 
 
-def serve(target: LoadedModel, workload: Workload, cfg: ServeConfig) -> Iterator[ServeStep | RequestRecord]:
+def serve(target: LoadedModel, workload: Workload, cfg: ServeConfig,
+          stats: CacheStats | None = None) -> Iterator[ServeStep | RequestRecord]:
     """Run the workload; yields a ServeStep per engine step and a RequestRecord per finished
-    request, as they happen."""
+    request, as they happen. With the prefix cache on, `stats` (if given) is kept up to date
+    with the run's cache counters."""
     prompts = encode_workload(target, workload, cfg)
+    prefix = PrefixCache(cfg.prefix_block, cfg.prefix_budget) if cfg.prefix_cache else None
+    if prefix is not None and stats is not None:
+        prefix.stats = stats
     budget = cfg.budget([len(ids) for ids in prompts])
     eos = frozenset() if workload.ignore_eos else target.eos_token_ids
     waiting = [
@@ -136,10 +151,26 @@ def serve(target: LoadedModel, workload: Workload, cfg: ServeConfig) -> Iterator
             time.sleep(waiting[0].spec.arrival_s - now)
             continue
 
+        # (prefix cache) a request not yet started takes the longest cached prefix of its
+        # prompt, looked up again at each step until it is first scheduled
+        if prefix is not None:
+            for req in running:
+                if not req.started:
+                    prefix.release(list(req.cache.blocks))
+                    req.cache = RequestKV(prefix.match(req.prompt_ids))
+                    req.prefilled = req.cache.reused
+
         # 2 schedule
         items = schedule(cfg.policy, [r.live() for r in running], cfg.chunk_size, budget)
         by_id = {r.spec.request_id: r for r in running}
         start_s = time.perf_counter() - t0
+        cached = []  # the reused prefix of each request starting now, shown in its first step
+        for item in items:
+            req = by_id[item.request_id]
+            if not req.started:
+                req.started = True
+                if req.reused:
+                    cached.append(StepItem(item.request_id, ItemKind.CACHED, 0, req.reused))
 
         # 3 forward: one packed sequence holding every item's tokens
         token_ids, positions, segments, keep, samplers = [], [], [], [], []
@@ -155,7 +186,10 @@ def serve(target: LoadedModel, workload: Workload, cfg: ServeConfig) -> Iterator
         logits = forward_packed(target, token_ids, positions, tuple(segments), keep)  # (len(keep), V)
         for item in items:
             if item.kind is ItemKind.PREFILL:
-                by_id[item.request_id].prefilled = item.end
+                req = by_id[item.request_id]
+                req.prefilled = item.end
+                if prefix is not None:
+                    prefix.insert(req.prompt_ids, req.prefilled, req.cache)
 
         # 4 sample
         for req, row in zip(samplers, logits):
@@ -166,13 +200,15 @@ def serve(target: LoadedModel, workload: Workload, cfg: ServeConfig) -> Iterator
         end_s = time.perf_counter() - t0
 
         # 5 record
-        yield ServeStep(index, start_s, end_s, tuple(items))
+        yield ServeStep(index, start_s, end_s, tuple(cached + items))
         index += 1
         for req in samplers:
             req.times.append(end_s)
             stop = _stop_reason(req, eos, target.max_context)
             if stop:
                 running.remove(req)
+                if prefix is not None:
+                    prefix.release(list(req.cache.blocks))
                 yield req.record(stop)
 
 
@@ -195,13 +231,15 @@ class ServeResult:
     token_budget: int  # the budget the run used (the default resolved)
     steps: tuple[ServeStep, ...]
     requests: tuple[RequestRecord, ...]  # in workload (arrival) order
+    cache_stats: CacheStats | None = None  # with the prefix cache on
 
 
 def run_serve(target: LoadedModel, workload: Workload, cfg: ServeConfig) -> ServeResult:
     """Run the workload to the end and collect its records."""
     steps: list[ServeStep] = []
     finished: dict[str, RequestRecord] = {}
-    for record in serve(target, workload, cfg):
+    stats = CacheStats() if cfg.prefix_cache else None
+    for record in serve(target, workload, cfg, stats):
         if isinstance(record, ServeStep):
             steps.append(record)
         else:
@@ -210,7 +248,7 @@ def run_serve(target: LoadedModel, workload: Workload, cfg: ServeConfig) -> Serv
     return ServeResult(
         model=target.name, device=target.device, dtype=str(target.dtype).removeprefix("torch."),
         workload=workload, config=cfg, token_budget=cfg.budget(lengths), steps=tuple(steps),
-        requests=tuple(finished[r.request_id] for r in workload.requests),
+        requests=tuple(finished[r.request_id] for r in workload.requests), cache_stats=stats,
     )
 
 

@@ -12,7 +12,8 @@ So the step is built here, on the loaded model itself:
   request; every linear layer, norm and the LM head run once for all requests.
 - Attention is routed, through transformers' AttentionInterface, to `packed_attention`, which
   splits the T tokens into their requests' segments, appends each segment's keys/values to that
-  request's own DynamicCache, and runs the model's own attention per segment (transformers'
+  request's own KV (engine.serving.prefix_cache.RequestKV: the prefix blocks it reuses from the
+  prefix cache, if any, then its own entries), and runs the model's own attention per segment (transformers'
   SDPA, or engine.invariant's batch-invariant attention) with the same mask a solo run would use
   (causal; offset by the cached length). A request's attention is therefore computed as in a
   solo run with the same prefill chunks. With a batch-invariant model (bfloat16 on a CPU) the
@@ -35,13 +36,14 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from engine.errors import InputError
 from engine.invariant import invariant_attention
 from engine.models import LoadedModel
+from engine.serving.prefix_cache import RequestKV
 
 ATTENTION_NAME = "speclab_packed"
 
@@ -52,7 +54,7 @@ class Segment:
 
     lo: int
     hi: int
-    cache: DynamicCache
+    cache: RequestKV
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

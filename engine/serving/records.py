@@ -15,6 +15,7 @@ from engine.trace import to_jsonable
 class ItemKind(StrEnum):  # str() is the value, so records read like their JSON
     PREFILL = "prefill"  # a chunk of a request's prompt
     DECODE = "decode"  # a request's last output token, fed to get the next one
+    CACHED = "cached"  # a request's prompt prefix served from the prefix cache: not computed
 
 
 class RequestClass(StrEnum):
@@ -27,7 +28,8 @@ class StepItem:
     """What one request fed to one engine step: sequence positions [start, end).
 
     For a prefill chunk that is the prompt token range; a decode feeds one position, the
-    request's last output token."""
+    request's last output token. A cached item (the prefix cache's hit, in the request's first
+    step) computes nothing: its KV entries were reused."""
 
     request_id: str
     kind: ItemKind
@@ -53,7 +55,8 @@ class ServeStep:
 
     @property
     def tokens(self) -> int:
-        return sum(item.tokens for item in self.items)
+        """Tokens computed by the step's forward (cached prefixes are not)."""
+        return sum(item.tokens for item in self.items if item.kind is not ItemKind.CACHED)
 
     def to_jsonable(self) -> dict:
         return {"index": self.index, "start_s": self.start_s, "end_s": self.end_s,
@@ -73,6 +76,12 @@ class RequestRecord:
     token_times_s: tuple[float, ...]  # emission time of every output token
     output_token_ids: tuple[int, ...]
     stop_reason: str  # "eos" or "max_new_tokens"
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens this request's prefill computed."""
+        return self.prompt_tokens - self.reused_tokens
 
     @property
     def ttft_ms(self) -> float:
@@ -86,4 +95,5 @@ class RequestRecord:
         return [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
     def to_jsonable(self) -> dict:
-        return to_jsonable(self) | {"ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms}
+        return to_jsonable(self) | {"ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms,
+                                    "prefilled_tokens": self.prefilled_tokens}

@@ -83,7 +83,26 @@ def summary(result: ServeResult) -> dict:
         "tokens_per_s": (output_tokens + prefill_tokens) / span if span > 0 else None,
         "itl": "per token (one token per request per step, so also per step)",
         "by_class": latency_by_class(requests),
+        "prefix_cache": prefix_cache_summary(result, prefill_tokens),
+        "ttft_ms_p50_later": percentile([r.ttft_ms for r in sorted(requests, key=lambda r: r.arrival_s)[1:]], 50),
+        "by_request": {r.request_id: {"ttft_ms": r.ttft_ms, "prompt_tokens": r.prompt_tokens,
+                                      "reused_tokens": r.reused_tokens, "prefilled_tokens": r.prefilled_tokens}
+                       for r in requests},
     }
+
+
+def prefix_cache_summary(result: ServeResult, prefill_tokens: int) -> dict:
+    """Prompt tokens requested, reused from the prefix cache and computed; the blended prefill
+    cost (computed / requested: 1.0 without the cache); the cache's own counters."""
+    cfg, requests = result.config, result.requests
+    requested = sum(r.prompt_tokens for r in requests)
+    reused = sum(r.reused_tokens for r in requests)
+    out = {"on": cfg.prefix_cache, "block_size": cfg.prefix_block if cfg.prefix_cache else None,
+           "budget_tokens": cfg.prefix_budget if cfg.prefix_cache else None,
+           "requested_tokens": requested, "reused_tokens": reused, "computed_tokens": prefill_tokens,
+           "prefill_cost": prefill_tokens / requested if requested else None,
+           "reused_share": reused / requested if requested else None}
+    return out | (result.cache_stats.to_jsonable() if result.cache_stats is not None else {})
 
 
 def report(result: ServeResult) -> dict:
@@ -95,6 +114,7 @@ def report(result: ServeResult) -> dict:
             "policy": cfg.policy.value, "chunk_size": cfg.chunk_size, "token_budget": result.token_budget,
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.sampling.temperature,
             "top_k": cfg.sampling.top_k, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
+            "prefix_cache": cfg.prefix_cache, "prefix_block": cfg.prefix_block, "prefix_budget": cfg.prefix_budget,
         },
         "steps": [s.to_jsonable() for s in result.steps],
         "requests": [r.to_jsonable() for r in result.requests],

@@ -13,6 +13,8 @@ A workload file is JSON (the built-in scenarios in workloads/ are examples to co
   everywhere, offline.
 - Instead of "requests" a file may give "poisson": seeded Poisson arrivals of mixed classes
   (see workloads/poisson-mixed.json); they expand to requests deterministically.
+- "system" (top level, or per request): the chat's system message, a string or {"words", ...}
+  like a prompt; a long one every request shares is what prefix caching reuses.
 - "raw": skip the chat template. "ignore_eos": every request runs to its max_new_tokens (as
   serving benchmarks do), so decode traffic lasts as long as the scenario says.
 - A `serve --json` output is a workload too: its "workload" object lists every request with its
@@ -53,6 +55,7 @@ class WorkloadRequest:
     arrival_s: float  # seconds after the run starts
     prompt: str
     max_new_tokens: int
+    system: str = ""  # the chat's system message (a prompt every request may share)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Workload:
             "ignore_eos": self.ignore_eos,
             "requests": [
                 {"request_id": r.request_id, "cls": r.cls.value, "arrival_s": r.arrival_s, "prompt": r.prompt,
-                 "max_new_tokens": r.max_new_tokens}
+                 "max_new_tokens": r.max_new_tokens} | ({"system": r.system} if r.system else {})
                 for r in self.requests
             ],
         }
@@ -108,8 +111,10 @@ def parse_workload(data, label: str = "workload") -> Workload:
 
 
 def _parse(data, where: str) -> Workload:
-    fields = _Fields(data, where, ("name", "description", "raw", "ignore_eos", "max_new_tokens", "requests", "poisson"))
+    fields = _Fields(data, where, ("name", "description", "raw", "ignore_eos", "max_new_tokens", "system", "requests",
+                                   "poisson"))
     default_max = fields.integer("max_new_tokens", 1, MAX_NEW_TOKENS, DEFAULT_MAX_NEW_TOKENS)
+    system = _prompt(data["system"], f"{where}system") if "system" in data else ""
     if ("requests" in data) == ("poisson" in data):
         raise InputError(f"{where}give exactly one of requests or poisson")
     if "requests" in data:
@@ -118,9 +123,9 @@ def _parse(data, where: str) -> Workload:
             raise InputError(f"{where}requests must be a list (got {type(items).__name__})")
         if not 1 <= len(items) <= MAX_REQUESTS:
             raise InputError(f"{where}requests must hold 1..{MAX_REQUESTS} requests (got {len(items)})")
-        requests = [_request(item, i, f"{where}requests[{i}].", default_max) for i, item in enumerate(items)]
+        requests = [_request(item, i, f"{where}requests[{i}].", default_max, system) for i, item in enumerate(items)]
     else:
-        requests = _poisson(data["poisson"], f"{where}poisson.", default_max)
+        requests = [replace(r, system=system) for r in _poisson(data["poisson"], f"{where}poisson.", default_max)]
     seen: set[str] = set()
     for i, r in enumerate(requests):
         if r.request_id in seen:
@@ -135,14 +140,15 @@ def _parse(data, where: str) -> Workload:
     )
 
 
-def _request(item, index: int, where: str, default_max: int) -> WorkloadRequest:
-    fields = _Fields(item, where, ("request_id", "cls", "arrival_s", "prompt", "max_new_tokens"))
+def _request(item, index: int, where: str, default_max: int, system: str = "") -> WorkloadRequest:
+    fields = _Fields(item, where, ("request_id", "cls", "arrival_s", "prompt", "max_new_tokens", "system"))
     return WorkloadRequest(
         request_id=fields.string("request_id", f"r{index}", nonempty=True),
         cls=fields.cls("cls"),
         arrival_s=fields.number("arrival_s", 0.0, MAX_ARRIVAL_S),
         prompt=_prompt(fields.required("prompt"), where + "prompt"),
         max_new_tokens=fields.integer("max_new_tokens", 1, MAX_NEW_TOKENS, default_max),
+        system=_prompt(item["system"], where + "system") if "system" in item else system,
     )
 
 
