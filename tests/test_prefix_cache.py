@@ -198,3 +198,68 @@ def test_cli_serve_and_compare_with_the_cache(tiny_target, tmp_path, capsys, mon
     assert main(["serve", "--workload", str(path), "--model", tiny_target, "--prefix-cache", "on",
                  "--prefix-block", "0"]) == 2
     assert "block size" in capsys.readouterr().err
+
+
+# --- the routing simulation -----------------------------------------------------------------
+
+def doc_requests(n: int = 24, docs: int = 4, seed: int = 0):
+    """n questions about `docs` 64-token documents, one every 0.1 s, documents in a seeded order."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[1000 * (1 + d) + i for i in range(64)] + [rng.randrange(50), rng.randrange(50), 7]
+               for d in (rng.randrange(docs) for _ in range(n))]
+    return prompts, [0.1 * i for i in range(n)], [4] * n, [f"r{i}" for i in range(n)]
+
+
+def test_cache_aware_routing_reuses_more_than_round_robin_on_a_fixed_seed():
+    from engine.serving.routing import Costs, RoutePolicy, simulate
+
+    costs = Costs(0.002, 0.01, "given")
+    prompts, arrivals, outputs, ids = doc_requests()
+    results = {p: simulate(prompts, arrivals, outputs, ids, 3, p, costs, block_size=16, budget_tokens=128)
+               for p in RoutePolicy}  # a replica holds two documents of four
+    rr, aware = results[RoutePolicy.ROUND_ROBIN].summary(), results[RoutePolicy.CACHE_AWARE].summary()
+    assert rr["requests_per_replica"] == [8, 8, 8]
+    assert aware["hit_rate"] > rr["hit_rate"] + 0.2 and aware["ttft_ms_p50"] < rr["ttft_ms_p50"]
+    assert aware == simulate(prompts, arrivals, outputs, ids, 3, RoutePolicy.CACHE_AWARE, costs, 16, 128).summary()
+    for result in results.values():  # the accounting of every request
+        for req, prompt in zip(result.requests, prompts):
+            assert req.reused_tokens % 16 == 0 and req.reused_tokens <= 64 and req.prompt_tokens == len(prompt)
+            assert req.first_token_s == pytest.approx(req.start_s + (len(prompt) - req.reused_tokens) * 0.002)
+            assert req.start_s >= req.arrival_s
+        by_replica = {}
+        for req in sorted(result.requests, key=lambda r: r.start_s):  # one request at a time per replica
+            assert req.start_s >= by_replica.get(req.replica, 0.0) - 1e-9
+            by_replica[req.replica] = req.finish_s
+    one = {p: simulate(prompts, arrivals, outputs, ids, 1, p, costs, 16, 128).summary()["hit_rate"] for p in RoutePolicy}
+    assert len(set(one.values())) == 1  # one replica: routing changes nothing
+
+
+def test_route_sim_cli_is_labelled_a_simulation(tiny_target, tmp_path, capsys, monkeypatch):
+    import json
+
+    from engine.cli import main
+
+    monkeypatch.setenv("SPECLAB_ALLOW_ANY_MODEL", "1")
+    small = tmp_path / "mix.json"  # doc-mix's shape at the tiny model's context
+    small.write_text(json.dumps({"name": "small-mix", "ignore_eos": True, "poisson": {
+        "seed": 0, "rate_per_s": 4, "count": 12, "classes": [
+            {"cls": "long", "words": [30, 30], "starts": [0, 100, 200], "max_new_tokens": 3,
+             "then": ["Summarize.", "Title?"]}]}}))
+    assert main(["route-sim", "--workload", str(small), "--model", tiny_target, "--replicas", "3",
+                 "--prefix-budget", "64", "--prefix-block", "8", "--json"]) == 0  # costs measured on the model
+    out = json.loads(capsys.readouterr().out)
+    assert out["evidence_class"] == "simulation" and out["costs"]["source"].startswith("measured")
+    assert out["costs"]["prefill_ms_per_token"] > 0 and [r["policy"] for r in out["results"]] == [
+        "round-robin", "cache-aware", "least-loaded"]
+    assert main(["route-sim", "--workload", str(small), "--model", tiny_target, "--prefill-ms-per-token", "1",
+                 "--decode-ms-per-step", "20", "--policies", "round-robin,cache-aware"]) == 0
+    assert capsys.readouterr().out.startswith("SIMULATION: small-mix")
+    assert main(["route-sim", "--workload", "doc-mix", "--model", tiny_target, "--prefill-ms-per-token", "1",
+                 "--decode-ms-per-step", "20"]) == 2  # its prompts do not fit the tiny model's context
+    assert "context" in capsys.readouterr().err
+    assert main(["route-sim", "--workload", "doc-mix", "--model", tiny_target, "--policies", "random"]) == 2
+    assert main(["route-sim", "--workload", "doc-mix", "--model", tiny_target, "--prefill-ms-per-token", "1"]) == 2
+    assert main(["route-sim", "--workload", "doc-mix", "--model", tiny_target, "--replicas", "0",
+                 "--prefill-ms-per-token", "1", "--decode-ms-per-step", "20"]) == 2

@@ -13,6 +13,7 @@ from engine.metrics import percentile
 from engine.models import load_model
 from engine.serving.loop import ServeConfig, run_serve
 from engine.serving.prefix_cache import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET_TOKENS
+from engine.serving.routing import SIMULATION, Costs, RoutePolicy, measure_costs, simulate_workload
 from engine.serving.records import RequestClass
 from engine.serving.report import report, summary
 from engine.serving.scheduler import Policy
@@ -39,6 +40,20 @@ def register(subparsers) -> None:
     c.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_compare)
+
+    r = subparsers.add_parser("route-sim", help="SIMULATION: route a workload over replicas with prefix caches "
+                              "(round-robin vs cache-aware), fed by the model's measured costs")
+    r.add_argument("--workload", required=True, help=f"{', '.join(builtin_workloads())} or a workload JSON file")
+    r.add_argument("--replicas", type=int, default=4)
+    r.add_argument("--policies", default=",".join(p.value for p in RoutePolicy),
+                   help=f"comma-separated: {', '.join(p.value for p in RoutePolicy)}")
+    r.add_argument("--model", default="embedded", help="its tokenizer and its measured costs")
+    r.add_argument("--prefill-ms-per-token", type=float, default=None, help="give the costs instead of measuring them")
+    r.add_argument("--decode-ms-per-step", type=float, default=None)
+    r.add_argument("--prefix-block", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per cached block")
+    r.add_argument("--prefix-budget", type=int, default=DEFAULT_BUDGET_TOKENS, help="most tokens each replica caches")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_route)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -189,3 +204,37 @@ def _fmt(x, digits: int = 1) -> str:
 
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    known = {p.value: p for p in RoutePolicy}
+    if not names or any(n not in known for n in names):
+        raise InputError(f"policies must be a comma-separated list of {', '.join(known)} (got {args.policies!r})")
+    given = (args.prefill_ms_per_token, args.decode_ms_per_step)
+    if (given[0] is None) != (given[1] is None):
+        raise InputError("give both --prefill-ms-per-token and --decode-ms-per-step, or neither (then they are measured)")
+    workload = load_workload(args.workload)
+    target = load_model(args.model)
+    if given[0] is None:
+        costs = measure_costs(target)
+    else:
+        costs = Costs(given[0] / 1000, given[1] / 1000, "given on the command line")
+    out = simulate_workload(target, workload, args.replicas, [known[n] for n in names], costs,
+                            args.prefix_block, args.prefix_budget)
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False, allow_nan=False))
+        return 0
+    c = out["costs"]
+    print(f"{SIMULATION.upper()}: {out['workload']}, {out['requests']} requests, {out['replicas']} replicas, "
+          f"{out['block_size']}-token blocks, {out['budget_tokens_per_replica']} tokens cached per replica")
+    print(f"costs: prefill {c['prefill_ms_per_token']:.2f} ms/token, decode {c['decode_ms_per_step']:.1f} ms/step "
+          f"({c['source']}); {out['simplified']}")
+    print(f"{'policy':<14}{'hit rate':>9}{'prefill cost':>13}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'makespan s':>11}"
+          f"  requests per replica")
+    for row in out["results"]:
+        print(f"{row['policy']:<14}{_pct(row['hit_rate']):>9}{_fmt(row['prefill_cost'], 2):>13}"
+              f"{_fmt(row['ttft_ms_p50']):>10}{_fmt(row['ttft_ms_p90']):>9}{_fmt(row['ttft_ms_p99']):>9}"
+              f"{_fmt(row['makespan_s']):>11}  {row['requests_per_replica']}")
+    print("(hit rate: prompt tokens served from a replica's cache; prefill cost: computed / requested; TTFT ms)")
+    return 0

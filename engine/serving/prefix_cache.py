@@ -91,18 +91,28 @@ class PrefixCache:
         for start in range(0, limit - b + 1, b):
             yield start, tuple(prompt_ids[start:start + b])
 
-    def match(self, prompt_ids: list[int]) -> list[Block]:
-        """The longest chain of cached blocks the prompt starts with, never covering its last
-        token; each is marked used now and held (acquire) for the caller."""
-        self.stats.lookups += 1
+    def _walk(self, prompt_ids: list[int]) -> list[Block]:
         blocks: list[Block] = []
-        now = next(self._clock)
         for _, tokens in self._chunks(prompt_ids, len(prompt_ids) - 1):
             block = self._blocks.get(self._key(blocks[-1] if blocks else None, tokens))
             if block is None:
                 break
-            block.last_used = now
             blocks.append(block)
+        return blocks
+
+    def peek(self, prompt_ids: list[int]) -> int:
+        """How many of the prompt's tokens a match would reuse now (no side effects: a router
+        asks every replica's cache)."""
+        return len(self._walk(prompt_ids)) * self.block_size
+
+    def match(self, prompt_ids: list[int]) -> list[Block]:
+        """The longest chain of cached blocks the prompt starts with, never covering its last
+        token; each is marked used now and held (acquire) for the caller."""
+        self.stats.lookups += 1
+        blocks = self._walk(prompt_ids)
+        now = next(self._clock)
+        for block in blocks:
+            block.last_used = now
         self.acquire(blocks)
         if blocks:
             self.stats.hits += 1

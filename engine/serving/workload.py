@@ -12,7 +12,9 @@ A workload file is JSON (the built-in scenarios in workloads/ are examples to co
   its own paragraph. Prompts are built from shipped text only, so a workload means the same
   everywhere, offline.
 - Instead of "requests" a file may give "poisson": seeded Poisson arrivals of mixed classes
-  (see workloads/poisson-mixed.json); they expand to requests deterministically.
+  (see workloads/poisson-mixed.json); they expand to requests deterministically. A class may
+  list "starts" (the text's first word is one of these: a few shared documents) and give "then"
+  as a list (each request asks one of these).
 - "system" (top level, or per request): the chat's system message, a string or {"words", ...}
   like a prompt; a long one every request shares is what prefix caching reuses.
 - "raw": skip the chat template. "ignore_eos": every request runs to its max_new_tokens (as
@@ -180,7 +182,10 @@ def _poisson(value, where: str, default_max: int) -> list[WorkloadRequest]:
     for i in range(count):
         t += rng.expovariate(rate)
         spec = rng.choices(classes, weights=[c.weight for c in classes])[0]
-        prompt = shipped_text(rng.randint(*spec.words), rng.randrange(n_words), spec.then)
+        words = rng.randint(*spec.words)  # (draws in this order: recorded workloads keep their prompts)
+        start = rng.choice(spec.starts) if spec.starts else rng.randrange(n_words)
+        then = (rng.choice(spec.then) if len(spec.then) > 1 else spec.then[0]) if spec.then else ""
+        prompt = shipped_text(words, start, then)
         arrival = min(round(t, 3), MAX_ARRIVAL_S)
         requests.append(WorkloadRequest(f"{spec.cls.value}-{i}", spec.cls, arrival, prompt, spec.max_new_tokens))
     return requests
@@ -191,18 +196,29 @@ class _ClassSpec:
     cls: RequestClass
     weight: float
     words: tuple[int, int]  # prompt length range in words, inclusive
-    then: str
+    then: tuple[str, ...]  # the instruction after the text: one of these (none: no instruction)
     max_new_tokens: int
+    starts: tuple[int, ...] = ()  # where the text starts, one of these words (none: anywhere)
 
     @classmethod
     def parse(cls, value, where: str, default_max: int) -> _ClassSpec:
-        fields = _Fields(value, where, ("cls", "weight", "words", "then", "max_new_tokens"))
+        fields = _Fields(value, where, ("cls", "weight", "words", "then", "max_new_tokens", "starts"))
         words = fields.required("words")
         if not (isinstance(words, list) and len(words) == 2 and all(_is_int(w) for w in words)
                 and 1 <= words[0] <= words[1] <= MAX_WORDS):
             raise InputError(f"{where}words must be [min, max] with 1 <= min <= max <= {MAX_WORDS} (got {words!r})")
-        return cls(fields.cls("cls"), fields.number("weight", 1e-9, 1e9, 1.0), (words[0], words[1]),
-                   fields.string("then", ""), fields.integer("max_new_tokens", 1, MAX_NEW_TOKENS, default_max))
+        then = value.get("then", "")
+        if isinstance(then, list):  # several instructions: each request draws one (questions about a text)
+            if not then or not all(isinstance(t, str) and t.strip() for t in then):
+                raise InputError(f"{where}then must be a string or a non-empty list of non-empty strings")
+            then = tuple(then)
+        else:
+            then = (fields.string("then", ""),) if then else ()
+        starts = value.get("starts", [])
+        if not (isinstance(starts, list) and all(_is_int(s) and 0 <= s < 10**9 for s in starts)):
+            raise InputError(f"{where}starts must be a list of word offsets (got {starts!r:.60})")
+        return cls(fields.cls("cls"), fields.number("weight", 1e-9, 1e9, 1.0), (words[0], words[1]), then,
+                   fields.integer("max_new_tokens", 1, MAX_NEW_TOKENS, default_max), tuple(starts))
 
 
 @functools.cache
