@@ -147,6 +147,37 @@ def step_economics(steps: Sequence[Step], verify_ms: Sequence[float],
     return StepEconomics(tau, k, k * c, cost)
 
 
+def reusable_prefix_tokens(prompt_tokens: int, shared_tokens: int, block_size: int) -> int:
+    """Prompt tokens a block-granular prefix cache can reuse when the first `shared_tokens` are
+    already cached: whole blocks only, and never the prompt's last token (its logits choose the
+    first output token, so it is always computed). engine.serving.prefix_cache follows this rule.
+
+    >>> reusable_prefix_tokens(930, 905, 32), reusable_prefix_tokens(64, 64, 32)
+    (896, 32)
+    """
+    return max(0, min(shared_tokens, prompt_tokens - 1)) // block_size * block_size
+
+
+def prefill_cost(requested_tokens: int, reused_tokens: int) -> float:
+    """Blended prefill cost: prompt tokens computed / prompt tokens requested (1.0 without a
+    prefix cache).
+
+    >>> prefill_cost(1000, 750)
+    0.25
+    """
+    return (requested_tokens - reused_tokens) / requested_tokens
+
+
+def prefill_chunks(prompt_tokens: int, reused_tokens: int, chunk_size: int) -> int:
+    """Steps a prompt's prefill takes under chunked prefill with chunks of `chunk_size` tokens
+    (a full budget each step), once `reused_tokens` come from the prefix cache.
+
+    >>> prefill_chunks(930, 0, 256), prefill_chunks(930, 896, 256)
+    (4, 1)
+    """
+    return -(-(prompt_tokens - reused_tokens) // chunk_size)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100]; None for no values."""
     if not values:

@@ -48,9 +48,12 @@ LESSONS_DIR = Path(__file__).parent
 CONTENT_DIR = LESSONS_DIR / "content"
 SOURCES_FILE = LESSONS_DIR / "sources.yaml"
 
-FORMULAS = ("expected_tokens_per_step", "predicted_speedup", "percentile", "verify_cost")  # engine.metrics, by name
+FORMULAS = ("expected_tokens_per_step", "predicted_speedup", "percentile", "verify_cost", "reusable_prefix_tokens",
+            "prefill_cost", "prefill_chunks")  # engine.metrics, by name
 ARG_RANGES = {"a": (0.0, 1.0), "k": (0, MAX_K), "c": (0.0, math.inf), "q": (0.0, 100.0), "verify_cost": (0.5, 50.0),
-              "tokens": (1, MAX_K + 1)}
+              "tokens": (1, MAX_K + 1), "prompt_tokens": (1, 10**6), "shared_tokens": (0, 10**6),
+              "block_size": (1, 1024), "requested_tokens": (1, 10**7), "reused_tokens": (0, 10**7),
+              "chunk_size": (1, 10**5)}
 MIN_QUESTIONS = 5
 MAX_CHOICES = 6
 MAX_CHUNK_SIZE = 8192  # the embedded model's context
@@ -321,7 +324,7 @@ def _chunked_prefill(f: _Fields, label: str, look_for: str) -> ChunkedPrefillPre
             f.problem("policy none prefills each prompt in one step; remove chunk_size")
     else:
         chunk_size = f.integer("chunk_size", 1, MAX_CHUNK_SIZE)
-    return ChunkedPrefillPreset(label, look_for, scenario, policy, chunk_size)
+    return ChunkedPrefillPreset(label, look_for, scenario, policy, chunk_size, f.flag("prefix_cache", False))
 
 
 def _preset(data: object, where: str, problems: list[str]) -> Preset | None:
@@ -332,7 +335,7 @@ def _preset(data: object, where: str, problems: list[str]) -> Preset | None:
         allowed = ("method", "prompt", "k", "adaptive", "temperature", "seed", "max_new_tokens", "rule", "dtype")
         return _playground(_Fields(f.data.get("settings"), f"{where}: settings", problems, allowed), label, look_for)
     if target == Target.CHUNKED_PREFILL.value:
-        allowed = ("scenario", "policy", "chunk_size")
+        allowed = ("scenario", "policy", "chunk_size", "prefix_cache")
         return _chunked_prefill(_Fields(f.data.get("settings"), f"{where}: settings", problems, allowed), label, look_for)
     f.problem(f"target must be {' or '.join(t.value for t in Target)} (got {target!r})")
     return None

@@ -20,7 +20,7 @@ from engine.run import RunRequest
 from engine.sampling import SamplingConfig
 
 # Workload scenarios and scheduling policies of the chunked-prefill tab (issue 5 uses these names).
-SCENARIOS = ("doc-arrives", "poisson-mixed")
+SCENARIOS = ("doc-arrives", "poisson-mixed", "doc-questions", "shared-system-prompt")
 POLICIES = ("none", "decode-first", "prefill-first")
 
 
@@ -112,6 +112,7 @@ class ChunkedPrefillPreset:
     scenario: str  # one of SCENARIOS
     policy: str  # one of POLICIES
     chunk_size: int | None  # None for policy "none" (a prompt's prefill runs in one step)
+    prefix_cache: bool = False  # setting A reuses cached prompt prefixes
     target: ClassVar[Target] = Target.CHUNKED_PREFILL
 
 

@@ -57,7 +57,7 @@ TRY_LABELS = {Target.PLAYGROUND: "▶ Try it in the playground",
 # The playground's settings a preset sets; the ones a preset has no field for go back to their defaults.
 PLAYGROUND_FIELDS = ("prompt", "method", "k", "adaptive", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
                      "raw", "rule", "tree", "dtype")
-PREFILL_FIELDS = ("scenario", "policy", "chunk_size", "max_new_tokens")
+PREFILL_FIELDS = ("scenario", "policy", "chunk_size", "max_new_tokens", "prefix_cache")
 CERTIFICATE_PAGE, VERIFY_PAGE = "certificate", "verify"
 REJECTED = "this certificate was not issued by this server, or something in it was changed"
 CERTIFICATE_CSS = """
@@ -157,7 +157,8 @@ def prefill_values(preset: ChunkedPrefillPreset) -> dict:
     """Setting A of the chunked-prefill tab. Policy none has no chunk size: the field keeps what it
     shows. Max new tokens 0 runs each request to the scenario's own limit."""
     chunk_size = gr.skip() if preset.chunk_size is None else preset.chunk_size
-    return {"scenario": preset.scenario, "policy": preset.policy, "chunk_size": chunk_size, "max_new_tokens": 0}
+    return {"scenario": preset.scenario, "policy": preset.policy, "chunk_size": chunk_size, "max_new_tokens": 0,
+            "prefix_cache": preset.prefix_cache}
 
 
 def _announce(preset: Preset, action: str) -> None:

@@ -39,11 +39,12 @@ from visualizations.latency import SUMMARY_COLUMNS
 CHUNK_RANGE = (16, 2048)  # smaller chunks make a long prompt take hundreds of steps
 MAX_NEW_RANGE = (0, 256)  # 0: each request keeps the scenario's own limit
 REFRESH_S = 0.3  # how often the timeline is checked for progress while a run is going
+PREFIX_LABEL = "prefix cache (reuse the KV of prompt prefixes already prefilled)"
 IDLE_STATE_S = 30 * 60  # a browser session idle this long loses its state
 PLOT_MIN_PX = 400  # two charts side by side on a desktop, one above the other on a phone
 # the summary's columns (SUMMARY_COLUMNS), each wide enough for its longest header word: 1080 px
 # in all, inside a desktop page; a phone scrolls the table rather than break words apart
-SUMMARY_WIDTHS = ["240px", "90px", "90px", "110px", "110px", "110px", "110px", "100px", "120px"]
+SUMMARY_WIDTHS = ["220px", "80px", "80px", "100px", "100px", "100px", "100px", "100px", "110px", "100px"]
 
 
 class ServeRun:
@@ -160,7 +161,7 @@ def describe(scenario: str) -> str:
     return f"{workload.description}\n\n{len(classes)} requests ({counts})."
 
 
-def serve_config(policy, chunk_size, max_new_tokens) -> ServeConfig:
+def serve_config(policy, chunk_size, max_new_tokens, prefix_cache=False) -> ServeConfig:
     try:
         chosen = Policy(policy)
     except ValueError:
@@ -171,13 +172,14 @@ def serve_config(policy, chunk_size, max_new_tokens) -> ServeConfig:
     max_new = as_int(max_new_tokens, "max new tokens")
     if not MAX_NEW_RANGE[0] <= max_new <= MAX_NEW_RANGE[1]:
         raise InputError(f"max new tokens must be in {MAX_NEW_RANGE[0]}..{MAX_NEW_RANGE[1]} (got {max_new})")
-    return ServeConfig(policy=chosen, chunk_size=chunk, max_new_tokens=max_new or None)
+    return ServeConfig(policy=chosen, chunk_size=chunk, max_new_tokens=max_new or None, prefix_cache=bool(prefix_cache))
 
 
 def setting_label(side: str, cfg: ServeConfig) -> str:
+    cache = ", prefix cache" if cfg.prefix_cache else ""
     if cfg.policy is Policy.NONE:
-        return f"{side}: none (no chunking)"
-    return f"{side}: {cfg.policy.value}, chunk {cfg.chunk_size}"
+        return f"{side}: none (no chunking){cache}"
+    return f"{side}: {cfg.policy.value}, chunk {cfg.chunk_size}{cache}"
 
 
 def progress_text(label: str, run: ServeRun) -> str:
@@ -212,13 +214,14 @@ def serve_runs(preset: str, workload: Workload, configs: list[ServeConfig]) -> l
     return [functools.partial(ServeRun.live, target, workload, cfg) for cfg in configs]
 
 
-def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[str, object, object]]):
-    """Run each (side, policy, chunk size) in turn on the same scenario, streaming its timeline."""
+def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[str, object, object, object]]):
+    """Run each (side, policy, chunk size, prefix cache) in turn on the same scenario, streaming
+    its timeline."""
     check_preset(preset)
     if scenario not in scenario_choices():
         raise InputError(f"unknown scenario {scenario!r} (choose one of {', '.join(scenario_choices())})")
     configs = [(setting_label(side, cfg), cfg)
-               for side, cfg in ((side, serve_config(p, c, max_new_tokens)) for side, p, c in settings)]
+               for side, cfg in ((side, serve_config(p, c, max_new_tokens, pc)) for side, p, c, pc in settings)]
     workload = load_workload(scenario)
     starts = serve_runs(preset, workload, [cfg for _, cfg in configs])
     state = state or PrefillState()
@@ -251,17 +254,18 @@ def _run_settings(state, preset, scenario, max_new_tokens, settings: list[tuple[
 
 
 @user_errors
-def run_setting(state, preset, scenario, max_new_tokens, policy, chunk_size):
+def run_setting(state, preset, scenario, max_new_tokens, policy, chunk_size, prefix_cache=False):
     """Run setting A on the scenario; the timeline fills as the engine steps."""
-    yield from _run_settings(state, preset, scenario, max_new_tokens, [("A", policy, chunk_size)])
+    yield from _run_settings(state, preset, scenario, max_new_tokens, [("A", policy, chunk_size, prefix_cache)])
 
 
 @user_errors
-def compare_settings(state, preset, scenario, max_new_tokens, policy, chunk_size, policy_b, chunk_size_b):
+def compare_settings(state, preset, scenario, max_new_tokens, policy, chunk_size, policy_b, chunk_size_b,
+                     prefix_cache=False, prefix_cache_b=False):
     """Run setting A, then setting B, on the same scenario; timelines side by side, then TTFT and
     ITL of both."""
     yield from _run_settings(state, preset, scenario, max_new_tokens,
-                             [("A", policy, chunk_size), ("B", policy_b, chunk_size_b)])
+                             [("A", policy, chunk_size, prefix_cache), ("B", policy_b, chunk_size_b, prefix_cache_b)])
 
 
 def stop(state):
@@ -285,10 +289,12 @@ def build_prefill():
             gr.Markdown("**Setting A**")
             policy = gr.Radio(policies, value=Policy.NONE.value, label="policy")
             chunk_size = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
+            prefix_cache = gr.Checkbox(False, label=PREFIX_LABEL, elem_id="prefill-prefix-a")
         with gr.Column(scale=2, min_width=240):
             gr.Markdown("**Setting B** (for the comparison)")
             policy_b = gr.Radio(policies, value=Policy.DECODE_FIRST.value, label="policy")
             chunk_size_b = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
+            prefix_cache_b = gr.Checkbox(False, label=PREFIX_LABEL, elem_id="prefill-prefix-b")
         with gr.Column(scale=3, min_width=280):
             description = gr.Markdown(describe("doc-arrives"))
     with gr.Row():
@@ -309,9 +315,11 @@ def build_prefill():
     scenario.change(describe, [scenario], [description], api_name=False)
     shown = [state, progress, timeline_a, timeline_b, table, ttft, itl_time, itl_dist]
     common = [state, preset, scenario, max_new]
-    run_btn.click(run_setting, [*common, policy, chunk_size], shown, api_name="prefill_run", concurrency_id="model")
-    compare_btn.click(compare_settings, [*common, policy, chunk_size, policy_b, chunk_size_b], shown,
-                      api_name="prefill_compare", concurrency_id="model")
+    run_btn.click(run_setting, [*common, policy, chunk_size, prefix_cache], shown, api_name="prefill_run",
+                  concurrency_id="model")
+    compare_btn.click(compare_settings, [*common, policy, chunk_size, policy_b, chunk_size_b, prefix_cache,
+                                         prefix_cache_b], shown, api_name="prefill_compare", concurrency_id="model")
     stop_btn.click(stop, [state], [state], api_name="prefill_stop", queue=False)
     return {"scenario": scenario, "policy": policy, "chunk_size": chunk_size, "policy_b": policy_b,
-            "chunk_size_b": chunk_size_b, "max_new_tokens": max_new, "preset": preset, "state": state}
+            "chunk_size_b": chunk_size_b, "max_new_tokens": max_new, "preset": preset, "state": state,
+            "prefix_cache": prefix_cache, "prefix_cache_b": prefix_cache_b}

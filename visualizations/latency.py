@@ -22,7 +22,8 @@ from visualizations.timeline import RequestTimes, lane_label, request_times
 STALL_FACTOR = 3  # a gap longer than this many typical gaps (the setting's median) is a stall
 ROW_PX = 230  # height of one setting's panel in the ITL-over-time figure
 SUMMARY_COLUMNS = ("setting", "engine steps", "token budget", "short ITL p50 (ms)", "short ITL p99 (ms)",
-                   "short ITL max (ms)", "long TTFT p50 (ms)", "output tokens/s", "decodes during prefill")
+                   "short ITL max (ms)", "long TTFT p50 (ms)", "output tokens/s", "decodes during prefill",
+                   "prompt tokens reused (%)")
 
 
 def _runs(runs: Mapping[str, Sequence]) -> dict[str, list[RequestTimes]]:
@@ -139,8 +140,15 @@ def serving_summary_table(summaries: Mapping[str, Mapping]) -> pd.DataFrame:
         short, long = s["by_class"]["short"], s["by_class"]["long"]
         rows.append([label, s["steps"], s["token_budget"], _ms(short["itl_ms_p50"]), _ms(short["itl_ms_p99"]),
                      _ms(short["itl_ms_max"]), _ms(long["ttft_ms_p50"]), _round(s["output_tokens_per_s"]),
-                     "yes" if s["decode_traffic_active"] else "no"])
+                     "yes" if s["decode_traffic_active"] else "no", _reused(s.get("prefix_cache"))])
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS), dtype=object)  # object: None stays empty
+
+
+def _reused(cache: Mapping | None) -> str:
+    """The share of prompt tokens served from the prefix cache, or "off"."""
+    if not cache or not cache.get("on"):
+        return "off"
+    return f"{round(100 * cache['reused_share'])}" if cache.get("reused_share") is not None else ""
 
 
 def _ms(value: float | None) -> int | None:

@@ -29,7 +29,8 @@ KIND_COLORS = {
     "target": GREY,
     "drafted": SKY_BLUE,
 }
-PHASE_COLORS = {"prefill": ORANGE, "decode": BLUE, "draft": SKY_BLUE, "verify": BLUE, "target": GREY}
+PHASE_COLORS = {"prefill": ORANGE, "decode": BLUE, "draft": SKY_BLUE, "verify": BLUE, "target": GREY,
+                "cached": BLUISH_GREEN}  # cached: prompt tokens reused from the prefix cache
 CLASS_COLORS = {"long": VERMILLION, "short": BLUISH_GREEN}
 SERIES_COLORS = (BLUE, ORANGE, BLUISH_GREEN, REDDISH_PURPLE, SKY_BLUE, VERMILLION)
 # plotly.js's own plain white defaults: a named template like "plotly_white" is deep-copied into

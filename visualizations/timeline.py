@@ -11,9 +11,11 @@ Serving records are read by field name, from dicts or from any object with these
 (engine.serving.records' ServeStep, StepItem and RequestRecord), enums by value, and may be
 partial while a run is in progress:
 
-- step: {"index", "start_s", "end_s", "items": [{"request_id", "kind": "prefill" | "decode",
-  "start", "end", "tokens"}]}; start/end is the prompt token range [start, end) of a prefill
-  chunk (None is allowed for a decode).
+- step: {"index", "start_s", "end_s", "items": [{"request_id", "kind": "prefill" | "decode" |
+  "cached", "start", "end", "tokens"}]}; start/end is the prompt token range [start, end) of a
+  prefill chunk or of a prefix reused from the prefix cache (computed by no step: drawn on the
+  request's lane in its first step, in a colour of its own, and left out of the step's token
+  count); None is allowed for a decode.
 - request: {"request_id", "cls": "long" | "short", "arrival_s", "first_token_s" (None until the
   first token), "token_times_s": [...]}.
 
@@ -40,7 +42,9 @@ from visualizations.style import (
 )
 from visualizations.text import plotly_label, plotly_text
 
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "decode")  # what a step computes
+LANE_KINDS = ("cached", "prefill", "decode")  # drawn on the request lanes
+KIND_NAMES = {"cached": "reused (prefix cache)", "prefill": "prefill", "decode": "decode"}
 PLAIN_LANE = "target step (plain decoding)"  # a decode step with no drafts: nothing to verify
 _REQUIRED = object()
 
@@ -48,7 +52,7 @@ _REQUIRED = object()
 @dataclass(frozen=True)
 class ScheduledItem:
     request_id: str
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "cached"
     start: int | None  # prefill: prompt token range [start, end)
     end: int | None
     tokens: int
@@ -164,7 +168,7 @@ def timeline_axes(runs: Sequence[tuple[Sequence, Sequence]], requests: Sequence 
     return TimelineAxes(
         lanes=tuple((rid, lane_label(rid, classes.get(rid))) for rid in dict.fromkeys(ids)),
         end_s=max(times, default=0.0),
-        step_tokens=max((sum(i.tokens for i in s.items) for s in steps), default=0),
+        step_tokens=max((sum(s.tokens(kind) for kind in KINDS) for s in steps), default=0),
     )
 
 
@@ -184,13 +188,16 @@ def serving_timeline(steps: Sequence, requests: Sequence = (), title: str = "Ser
                  if i.request_id not in label)
 
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.08)
-    for kind in KINDS:
+    for kind in LANE_KINDS:
         items = [(s, i) for s in run_steps for i in s.items if i.kind == kind]
+        if kind == "cached" and not items:
+            continue  # no legend entry for a run without the prefix cache
         fig.add_trace(go.Bar(
             orientation="h", base=[s.start_s for s, _ in items], x=[s.end_s - s.start_s for s, _ in items],
             y=[label[i.request_id] for _, i in items], hovertext=[_item_hover(s, i) for s, i in items],
-            hoverinfo="text", name=kind, legendgroup=kind, marker=dict(color=PHASE_COLORS[kind], line_width=0.5,
-                                                                        line_color="white"),
+            hoverinfo="text", name=KIND_NAMES[kind], legendgroup=kind,
+            marker=dict(color=PHASE_COLORS[kind], line_width=0.5, line_color="white",
+                        pattern_shape="/" if kind == "cached" else ""),
         ), row=1, col=1)
     fig.add_trace(go.Scatter(
         x=[r.arrival_s for r in reqs], y=[label[r.request_id] for r in reqs], mode="markers", name="arrival",
@@ -209,7 +216,7 @@ def serving_timeline(steps: Sequence, requests: Sequence = (), title: str = "Ser
         counts = [s.tokens(kind) for s in run_steps]
         fig.add_trace(go.Bar(
             x=[(s.start_s + s.end_s) / 2 for s in run_steps], width=[s.end_s - s.start_s for s in run_steps],
-            y=counts, base=list(base), name=kind, legendgroup=kind, showlegend=False,
+            y=counts, base=list(base), name=KIND_NAMES[kind], legendgroup=kind, showlegend=False,
             marker=dict(color=PHASE_COLORS[kind], line_width=0.5, line_color="white"),
             hovertext=[_step_hover(s) for s in run_steps], hoverinfo="text",
         ), row=2, col=1)
@@ -229,7 +236,9 @@ def serving_timeline(steps: Sequence, requests: Sequence = (), title: str = "Ser
 
 
 def _item_hover(step: ServingStep, item: ScheduledItem) -> str:
-    what = f"prefill tokens [{item.start}, {item.end})" if item.kind == "prefill" else "decode"
+    what = {"prefill": f"prefill tokens [{item.start}, {item.end})",
+            "cached": f"prompt tokens [{item.start}, {item.end}) reused from the prefix cache, not computed"}.get(
+        item.kind, "decode")
     return f"{lane_label(item.request_id)}: {what}, {item.tokens} tokens<br>{_step_hover(step)}"
 
 

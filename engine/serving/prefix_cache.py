@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InputError
+from engine.metrics import reusable_prefix_tokens
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_BUDGET_TOKENS = 8192
@@ -86,14 +87,15 @@ class PrefixCache:
     def _key(self, parent: Block | None, tokens: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
         return (0 if parent is None else id(parent), tokens)
 
-    def _chunks(self, prompt_ids: list[int], limit: int):
+    def _chunks(self, prompt_ids: list[int], computed: int):
+        """The prompt's blocks a cache may hold once its first `computed` tokens have KV."""
         b = self.block_size
-        for start in range(0, limit - b + 1, b):
+        for start in range(0, reusable_prefix_tokens(len(prompt_ids), computed, b), b):
             yield start, tuple(prompt_ids[start:start + b])
 
     def _walk(self, prompt_ids: list[int]) -> list[Block]:
         blocks: list[Block] = []
-        for _, tokens in self._chunks(prompt_ids, len(prompt_ids) - 1):
+        for _, tokens in self._chunks(prompt_ids, len(prompt_ids)):
             block = self._blocks.get(self._key(blocks[-1] if blocks else None, tokens))
             if block is None:
                 break
@@ -136,7 +138,7 @@ class PrefixCache:
         Returns the number of blocks added."""
         parent, added = None, 0
         now = next(self._clock)
-        for start, tokens in self._chunks(prompt_ids, min(upto, len(prompt_ids) - 1)):
+        for start, tokens in self._chunks(prompt_ids, upto):
             key = self._key(parent, tokens)
             block = self._blocks.get(key)
             if block is None:

@@ -7,7 +7,7 @@ Percentiles use engine.metrics.percentile (linear interpolation).
 
 from __future__ import annotations
 
-from engine.metrics import percentile
+from engine.metrics import percentile, prefill_cost
 from engine.serving.records import ItemKind, RequestClass, RequestRecord, ServeStep
 from engine.serving.loop import ServeResult
 from engine.serving.scheduler import Policy
@@ -100,7 +100,7 @@ def prefix_cache_summary(result: ServeResult, prefill_tokens: int) -> dict:
     out = {"on": cfg.prefix_cache, "block_size": cfg.prefix_block if cfg.prefix_cache else None,
            "budget_tokens": cfg.prefix_budget if cfg.prefix_cache else None,
            "requested_tokens": requested, "reused_tokens": reused, "computed_tokens": prefill_tokens,
-           "prefill_cost": prefill_tokens / requested if requested else None,
+           "prefill_cost": prefill_cost(requested, reused) if requested else None,
            "reused_share": reused / requested if requested else None}
     return out | (result.cache_stats.to_jsonable() if result.cache_stats is not None else {})
 
