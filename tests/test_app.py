@@ -127,6 +127,18 @@ def test_chunked_prefill_compares_two_settings_and_streams_the_timeline(client):
     assert len(job.outputs()) > 1  # the timeline was streamed while the runs went
 
 
+def test_chunked_prefill_with_the_prefix_cache_shows_reused_blocks(client):
+    progress, timeline_a, timeline_b, table, *_ = client.predict(
+        api_name="/prefill_compare", preset="embedded", scenario="doc-questions", max_new_tokens=2,
+        policy="decode-first", chunk_size=256, prefix_cache=True, policy_b="decode-first", chunk_size_b=256,
+        prefix_cache_b=False)
+    assert "A: decode-first, chunk 256, prefix cache" in progress
+    rows = {row[0]: dict(zip(table["headers"], row)) for row in table["data"]}
+    assert int(rows["A: decode-first, chunk 256, prefix cache"]["prompt tokens reused (%)"]) >= 70
+    assert rows["B: decode-first, chunk 256"]["prompt tokens reused (%)"] == "off"
+    assert "reused (prefix cache)" in json.dumps(timeline_a) and "reused (prefix cache)" not in json.dumps(timeline_b)
+
+
 def test_chunked_prefill_stop_ends_the_job_before_its_second_setting(client):
     progress, timeline_a, timeline_b, *_ = prefill_compare_then_stop(client, chunk_size=64)
     assert "**A: decode-first, chunk 64** (stopped)" in progress

@@ -209,7 +209,8 @@ def test_every_try_it_preset_fills_its_tab_with_settings_the_tab_accepts(url):
                     assert got["chunk_size"] == {"__type__": "update"}
                 else:
                     assert got["chunk_size"] == preset.chunk_size
-                    serve_config(got["policy"], got["chunk_size"], got["max_new_tokens"])
+                    assert got["prefix_cache"] is preset.prefix_cache
+                    serve_config(got["policy"], got["chunk_size"], got["max_new_tokens"], got["prefix_cache"])
 
 
 @pytest.mark.embedded

@@ -254,3 +254,21 @@ def test_speculative_runs_keep_draft_and_verify_lanes():
     assert by_name[PLAIN_LANE].hovertext == ("step 2: prompt-lookup drafted nothing, one target forward, 20.0 ms",)
     always_drafting = trace_timeline([steps[0], steps[1], steps[3]], PREFILL)
     assert lanes(always_drafting) == ["output", "2 verify", "1 draft", "prefill"]
+
+
+def test_reused_prefix_shows_as_a_mark_on_its_lane_and_hatched_in_the_step_chart():
+    steps = [ServeStep(0, 0.0, 1.0, (StepItem("q0", ItemKind.PREFILL, 0, 900),)),
+             ServeStep(1, 2.0, 2.1, (StepItem("q1", ItemKind.CACHED, 0, 896), StepItem("q1", ItemKind.PREFILL, 896, 905)))]
+    reqs = [request("q0", RequestClass.LONG, 0.0, [1.0]), request("q1", RequestClass.LONG, 2.0, [2.1])]
+    fig = serving_timeline(steps, reqs)
+    mark = next(t for t in fig.data if t.name == "reused (prefix cache)" and t.type == "scatter")
+    assert list(mark.x) == [2.0]
+    assert "[0, 896) reused from the prefix cache, not computed" in mark.hovertext[0]
+    hatched = next(t for t in fig.data if t.name == "reused (prefix cache)" and t.type == "bar")
+    assert list(hatched.y) == [0, 896] and hatched.marker.pattern.shape == "/"
+    prefill = next(t for t in fig.data if t.name == "prefill" and t.type == "bar" and t.orientation != "h")
+    assert list(prefill.y) == [900, 9]  # computed tokens only
+    assert steps[1].tokens == 9
+    assert fig.layout.yaxis2.range[1] >= 905  # the axis holds computed + reused
+    plain = serving_timeline(steps[:1], reqs[:1])
+    assert not any(t.name == "reused (prefix cache)" for t in plain.data)  # no legend entry without a cache

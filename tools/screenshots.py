@@ -222,6 +222,22 @@ def chunked_prefill(page: Page) -> None:
     page.shot(page.tab_panel(), "prefill")
 
 
+def prefix_cache(page: Page) -> None:
+    """The chunked-prefill tab on doc-questions: A with the prefix cache, B without (both
+    decode-first): A's timeline shows each later request's reused blocks in their own colour."""
+    page.open_tab("Chunked prefill")
+    page.choose("prefill-scenario", "doc-questions")
+    page.el("prefill-policy-a").find_element(By.CSS_SELECTOR, "input[value='decode-first']").click()
+    page.el("prefill-prefix-a").find_element(By.CSS_SELECTOR, "input").click()
+    page.set_number("prefill-max-new", 4)
+    page.click("prefill-compare-btn")
+    page.wait_text("prefill-progress", "Done.")
+    page.plots_drawn("prefill-itl-dist")
+    page.shot("prefill-timelines", "prefill-prefix-cache-timelines")
+    page.shot("prefill-summary", "prefill-prefix-cache-summary")
+    page.shot("prefill-latency", "prefill-prefix-cache-ttft")
+
+
 def mtp_available(preset: str) -> str | None:
     """Why the MTP tree cannot be shot on this preset, or None when it can."""
     if "mtp" not in drafter_names():
@@ -264,9 +280,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, height=2400)
     parser.add_argument("--preset", default="embedded", help="the preset the app runs (for the MTP check)")
+    parser.add_argument("--only", choices=["prefix-cache"], help="shoot only these views")
     args = parser.parse_args()
     with open_app(args) as page:
         page.wait_text("model-status", "Model ready", timeout=MODEL_WAIT_S)
+        if args.only == "prefix-cache":
+            prefix_cache(page)
+            return 0
         first_view(page, (args.width, args.height))
         playground(page)
         reason = mtp_available(args.preset)
@@ -275,6 +295,7 @@ def main() -> int:
         else:
             mtp_tree(page)
         chunked_prefill(page)
+        prefix_cache(page)
     return 0
 
 

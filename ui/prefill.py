@@ -282,17 +282,17 @@ def build_prefill():
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=280):
             preset = gr.Dropdown(preset_choices(), value=default_preset(), label="Model preset")
-            scenario = gr.Dropdown(scenario_choices(), value="doc-arrives", label="Scenario")
+            scenario = gr.Dropdown(scenario_choices(), value="doc-arrives", label="Scenario", elem_id="prefill-scenario")
             max_new = gr.Slider(*MAX_NEW_RANGE, value=0, step=1, elem_id="prefill-max-new",
                                 label="max new tokens per request (0 = the scenario's own)")
         with gr.Column(scale=2, min_width=240):
             gr.Markdown("**Setting A**")
-            policy = gr.Radio(policies, value=Policy.NONE.value, label="policy")
+            policy = gr.Radio(policies, value=Policy.NONE.value, label="policy", elem_id="prefill-policy-a")
             chunk_size = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
             prefix_cache = gr.Checkbox(False, label=PREFIX_LABEL, elem_id="prefill-prefix-a")
         with gr.Column(scale=2, min_width=240):
             gr.Markdown("**Setting B** (for the comparison)")
-            policy_b = gr.Radio(policies, value=Policy.DECODE_FIRST.value, label="policy")
+            policy_b = gr.Radio(policies, value=Policy.DECODE_FIRST.value, label="policy", elem_id="prefill-policy-b")
             chunk_size_b = gr.Slider(*CHUNK_RANGE, value=256, step=16, label="chunk size (tokens)")
             prefix_cache_b = gr.Checkbox(False, label=PREFIX_LABEL, elem_id="prefill-prefix-b")
         with gr.Column(scale=3, min_width=280):

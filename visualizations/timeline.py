@@ -13,9 +13,9 @@ partial while a run is in progress:
 
 - step: {"index", "start_s", "end_s", "items": [{"request_id", "kind": "prefill" | "decode" |
   "cached", "start", "end", "tokens"}]}; start/end is the prompt token range [start, end) of a
-  prefill chunk or of a prefix reused from the prefix cache (computed by no step: drawn on the
-  request's lane in its first step, in a colour of its own, and left out of the step's token
-  count); None is allowed for a decode.
+  prefill chunk or of a prefix reused from the prefix cache (computed by no step: a mark on the
+  request's lane where it started, and hatched on top of that step's tokens in the step chart);
+  None is allowed for a decode.
 - request: {"request_id", "cls": "long" | "short", "arrival_s", "first_token_s" (None until the
   first token), "token_times_s": [...]}.
 
@@ -43,7 +43,7 @@ from visualizations.style import (
 from visualizations.text import plotly_label, plotly_text
 
 KINDS = ("prefill", "decode")  # what a step computes
-LANE_KINDS = ("cached", "prefill", "decode")  # drawn on the request lanes
+CACHED = "cached"  # prompt tokens a request reused from the prefix cache: computed by no step
 KIND_NAMES = {"cached": "reused (prefix cache)", "prefill": "prefill", "decode": "decode"}
 PLAIN_LANE = "target step (plain decoding)"  # a decode step with no drafts: nothing to verify
 _REQUIRED = object()
@@ -168,7 +168,7 @@ def timeline_axes(runs: Sequence[tuple[Sequence, Sequence]], requests: Sequence 
     return TimelineAxes(
         lanes=tuple((rid, lane_label(rid, classes.get(rid))) for rid in dict.fromkeys(ids)),
         end_s=max(times, default=0.0),
-        step_tokens=max((sum(s.tokens(kind) for kind in KINDS) for s in steps), default=0),
+        step_tokens=max((sum(s.tokens(kind) for kind in (*KINDS, CACHED)) for s in steps), default=0),
     )
 
 
@@ -188,16 +188,21 @@ def serving_timeline(steps: Sequence, requests: Sequence = (), title: str = "Ser
                  if i.request_id not in label)
 
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.72, 0.28], vertical_spacing=0.08)
-    for kind in LANE_KINDS:
+    for kind in KINDS:
         items = [(s, i) for s in run_steps for i in s.items if i.kind == kind]
-        if kind == "cached" and not items:
-            continue  # no legend entry for a run without the prefix cache
         fig.add_trace(go.Bar(
             orientation="h", base=[s.start_s for s, _ in items], x=[s.end_s - s.start_s for s, _ in items],
             y=[label[i.request_id] for _, i in items], hovertext=[_item_hover(s, i) for s, i in items],
             hoverinfo="text", name=KIND_NAMES[kind], legendgroup=kind,
-            marker=dict(color=PHASE_COLORS[kind], line_width=0.5, line_color="white",
-                        pattern_shape="/" if kind == "cached" else ""),
+            marker=dict(color=PHASE_COLORS[kind], line_width=0.5, line_color="white"),
+        ), row=1, col=1)
+    reused = [(s, i) for s in run_steps for i in s.items if i.kind == CACHED]
+    if reused:  # no time of its own: a mark where the request started, its size in the step chart below
+        fig.add_trace(go.Scatter(
+            x=[s.start_s for s, _ in reused], y=[label[i.request_id] for _, i in reused], mode="markers",
+            name=KIND_NAMES[CACHED], legendgroup=CACHED,
+            marker=dict(symbol="square", size=13, color=PHASE_COLORS[CACHED], line=dict(width=1, color="white")),
+            hovertext=[_item_hover(s, i) for s, i in reused], hoverinfo="text",
         ), row=1, col=1)
     fig.add_trace(go.Scatter(
         x=[r.arrival_s for r in reqs], y=[label[r.request_id] for r in reqs], mode="markers", name="arrival",
@@ -212,12 +217,15 @@ def serving_timeline(steps: Sequence, requests: Sequence = (), title: str = "Ser
         hoverinfo="text",
     ), row=1, col=1)
     base = [0] * len(run_steps)
-    for kind in KINDS:
+    for kind in (*KINDS, CACHED):  # reused tokens on top, hatched: covered by the step, not computed
         counts = [s.tokens(kind) for s in run_steps]
+        if kind == CACHED and not any(counts):
+            continue
         fig.add_trace(go.Bar(
             x=[(s.start_s + s.end_s) / 2 for s in run_steps], width=[s.end_s - s.start_s for s in run_steps],
             y=counts, base=list(base), name=KIND_NAMES[kind], legendgroup=kind, showlegend=False,
-            marker=dict(color=PHASE_COLORS[kind], line_width=0.5, line_color="white"),
+            marker=dict(color=PHASE_COLORS[kind], line_width=0.5, line_color="white",
+                        pattern_shape="/" if kind == CACHED else ""),
             hovertext=[_step_hover(s) for s in run_steps], hoverinfo="text",
         ), row=2, col=1)
         base = [b + c for b, c in zip(base, counts)]
@@ -243,8 +251,10 @@ def _item_hover(step: ServingStep, item: ScheduledItem) -> str:
 
 
 def _step_hover(step: ServingStep) -> str:
+    reused = step.tokens(CACHED)
     return (f"step {step.index}: {step.start_s * 1000:.1f}–{step.end_s * 1000:.1f} ms, "
-            f"{step.tokens('prefill')} prefill + {step.tokens('decode')} decode tokens")
+            f"{step.tokens('prefill')} prefill + {step.tokens('decode')} decode tokens"
+            + (f"; {reused} prompt tokens reused from the prefix cache (not computed)" if reused else ""))
 
 
 def trace_timeline(steps: Sequence[Step], prefill: Sequence[PrefillChunk] = ()) -> go.Figure:
