@@ -167,6 +167,38 @@ def test_corpus_rows_are_the_targets_own_pass_and_shards_resume(target, tmp_path
     assert len(load_corpus(more)) == 10
 
 
+@torch.inference_mode()
+def test_stored_answers_let_a_fresh_machine_skip_generation(target, tmp_path, monkeypatch):
+    from engine.train import corpus
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
+    answers = tmp_path / "answers"
+    cfg = CorpusConfig(prompts=6, max_new_tokens=6, batch_size=4, top_logits=4)
+    first = load_corpus(build_corpus(target, cfg, progress=False, answers_dir=answers))
+    (stored,) = answers.glob("answers-*.jsonl.gz")
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "fresh"))  # no shards: a fresh machine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("answers were generated again")
+
+    monkeypatch.setattr(corpus, "generate_answers", refuse)
+    again = load_corpus(build_corpus(target, cfg, progress=False, answers_dir=answers))
+    assert [s.key for s in again] == [s.key for s in first]
+    assert all(torch.equal(a.ids, b.ids) and torch.equal(a.top_ids, b.top_ids) for a, b in zip(first, again))
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "fresh2"))  # more prompts: a batch with a new one is answered
+    with pytest.raises(AssertionError, match="generated again"):
+        build_corpus(target, CorpusConfig(prompts=10, max_new_tokens=6, batch_size=4, top_logits=4), progress=False,
+                     answers_dir=answers)
+    assert stored.stat().st_size > 0
+    monkeypatch.undo()  # the real generation again
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "answers-only"))
+    assert build_corpus(target, cfg, progress=False, answers_dir=tmp_path / "only", answers_only=True) == []
+    assert not (tmp_path / "answers-only").exists()  # no shards
+    only = corpus.AnswerStore(tmp_path / "only", target, cfg)
+    assert {key: row["answer"] for key, row in only.rows.items()} == {
+        s.key: s.ids[s.prompt_len:].tolist() for s in first}
+
+
 # --- the trainer --------------------------------------------------------------------------------
 
 def test_evaluated_acceptance_is_what_decoding_with_the_module_accepts(tiny_target, tmp_path, monkeypatch):

@@ -43,6 +43,10 @@ def test_blocks_cover_full_prompt_blocks_and_never_the_last_token():
     assert kv.entries(8, 10)[0][0].flatten().tolist() == [8, 8]  # (layer 1, the only one it holds)
     with pytest.raises(ValueError):
         kv.entries(4, 8)  # the prefix is the cache's, not the request's own
+    kv.truncate(9)
+    assert kv.get_seq_length(1) == 9 and kv.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), 1)[0].shape[-2] == 10
+    with pytest.raises(ValueError):
+        kv.truncate(7)
 
 
 def test_lru_eviction_takes_unheld_leaves_and_a_full_budget_of_held_blocks_skips():
@@ -167,7 +171,8 @@ def test_embedded_document_questions_equal_solo_greedy(embedded):
     spec = [("q0", 0.0, "Who keeps the light?"), ("q1", 0.0, "Name one danger."), ("q2", 0.0, "How old is it?")]
     workload = Workload("embedded-doc", "", tuple(
         WorkloadRequest(rid, RequestClass.LONG, t, f"{doc}\n\n{q}", 4) for rid, t, q in spec))
-    result = run_serve(embedded, workload, ServeConfig(policy=Policy.PREFILL_FIRST, chunk_size=64,
+    # one chunk per step: the later questions wait for the first one's chunks, then reuse them
+    result = run_serve(embedded, workload, ServeConfig(policy=Policy.PREFILL_FIRST, chunk_size=64, token_budget=64,
                                                        prefix_cache=True, prefix_block=16))
     assert result.requests[0].reused_tokens == 0 and all(r.reused_tokens >= 128 for r in result.requests[1:])
     for req, rec in zip(workload.requests, result.requests):

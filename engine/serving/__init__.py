@@ -7,7 +7,9 @@ decode tokens and prefill chunks into each engine step, one packed forward runs 
     report(result)["summary"]["by_class"]["short"]["itl_ms_p99"]
 
 Modules: workload (workloads as data), scheduler (policies), packed (the packed forward),
-loop (the engine steps), records, report (metrics and the JSON), cli.
+loop (the engine steps), prefix_cache (reusing the KV blocks of shared prompt prefixes;
+ServeConfig(prefix_cache=True)), routing (a simulation of several replicas with their own
+caches), records, report (metrics and the JSON), cli.
 """
 
 from engine.serving.loop import ServeConfig, ServeResult, run_serve, serve

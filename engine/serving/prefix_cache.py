@@ -201,6 +201,16 @@ class RequestKV:
         return (tuple(self._keys[i][:, :, lo:hi].clone() for i in layers),
                 tuple(self._values[i][:, :, lo:hi].clone() for i in layers))
 
+    def truncate(self, length: int) -> None:
+        """Keep positions [0, length) (a benchmark repeating one step; a rejected draft's
+        entries); the cached prefix is never cut."""
+        if length < self.reused:
+            raise ValueError(f"cannot cut into the cached prefix ({self.reused} tokens)")
+        own = length - self.reused
+        for layer in self._keys:
+            self._keys[layer] = self._keys[layer][:, :, :own]
+            self._values[layer] = self._values[layer][:, :, :own]
+
     def get_seq_length(self, layer: int = 0) -> int:
         own = self._keys.get(layer)
         return self.reused + (0 if own is None else own.shape[-2])

@@ -24,7 +24,7 @@ from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR
 from engine.train.common import write_vocabulary
-from engine.train.corpus import CorpusConfig, build_corpus, corpus_dir, load_corpus
+from engine.train.corpus import ANSWERS_DIR, CorpusConfig, build_corpus, corpus_dir, load_corpus
 from engine.train.module import ModuleConfig, train_module
 from engine.train.data import DataConfig, build_dataset
 from engine.train.draft import DraftConfig, train_draft
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     corpus = sub.add_parser("corpus", help="only self-distil the real prompts (resumable shards)")
     _corpus_args(corpus)
     corpus.add_argument("--split", default="train", choices=("train", "heldout", "spec-bench"))
+    corpus.add_argument("--answers-only", action="store_true",
+                        help="only generate the answers into --answers-dir (the slow part; commit them), no shards")
     module = sub.add_parser("mtp-module", help="train the DeepSeek-style MTP module")
     _corpus_args(module)
     module.add_argument("--out", default=str(WEIGHTS_DIR / "mtp-module"), help="folder for weights + card.json")
@@ -89,6 +91,12 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--answers-dir", default=str(ANSWERS_DIR),
+                   help="where the target's answers are kept and reused (committed; 'none': only in the shards)")
+
+
+def _answers_dir(args: argparse.Namespace) -> Path | None:
+    return None if args.answers_dir == "none" else Path(args.answers_dir)
 
 
 def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -98,7 +106,11 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     progress = not args.quiet
     if args.command == "corpus":
         cfg = CorpusConfig(**{**base.__dict__, "split": args.split})
-        shards = build_corpus(target, cfg, progress)
+        if args.answers_only:
+            build_corpus(target, cfg, progress, _answers_dir(args), answers_only=True)
+            print(f"answers of {cfg.prompts or 'all'} {args.split} prompts in {_answers_dir(args)}")
+            return 0
+        shards = build_corpus(target, cfg, progress, _answers_dir(args))
         seqs = load_corpus(shards)
         print(f"{corpus_dir(target, cfg)}: {len(seqs)} {args.split} sequences, {sum(s.answer_len for s in seqs)} answer positions")
         return 0
@@ -106,7 +118,7 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     data = {}
     for split, n in splits.items():
         cfg = CorpusConfig(**{**base.__dict__, "split": split, "prompts": n})
-        shards = build_corpus(target, cfg, progress)
+        shards = build_corpus(target, cfg, progress, _answers_dir(args))
         data[split] = load_corpus(shards)
     info = {"prompts_file": "engine/train/train_prompts.jsonl", "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
             "settings": {**base.__dict__, "split": None}}

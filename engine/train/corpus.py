@@ -22,6 +22,7 @@ prompts it holds (a seeded draw), so reruns and larger builds reuse every shard 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -112,7 +113,8 @@ def _batches(target: LoadedModel, cfg: CorpusConfig) -> list[tuple[str, list[tup
 
 
 @torch.inference_mode()
-def answer_batch(target: LoadedModel, batch: list[tuple[str, str, list[int]]], cfg: CorpusConfig) -> list[Sequence]:
+def generate_answers(target: LoadedModel, batch: list[tuple[str, str, list[int]]], cfg: CorpusConfig) -> list[list[int]]:
+    """The target's greedy answers to a batch of prompts (left padded, batched), EOS kept."""
     model = target.model
     eos = sorted(target.eos_token_ids)
     pad = eos[0]
@@ -122,11 +124,21 @@ def answer_batch(target: LoadedModel, batch: list[tuple[str, str, list[int]]], c
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = model.generate(input_ids=left, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, do_sample=False,
                          eos_token_id=eos, pad_token_id=pad)
-    seqs = []
-    for p, row in zip(prompts, out[:, width:].tolist()):
+    answers = []
+    for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))  # EOS kept
-        seqs.append(p + row[:cut])
-    # the teacher-forced pass over prompt + answer, right padded
+        answers.append(row[:cut])
+    return answers
+
+
+@torch.inference_mode()
+def teacher_forced(target: LoadedModel, batch: list[tuple[str, str, list[int]]], answers: list[list[int]],
+                   cfg: CorpusConfig) -> list[Sequence]:
+    """One right-padded forward over each prompt + answer: every position's final hidden state
+    and the target's top-K logits."""
+    model = target.model
+    pad = sorted(target.eos_token_ids)[0]
+    seqs = [prompt + answer for (_, _, prompt), answer in zip(batch, answers)]
     longest = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad] * (longest - len(s)) for s in seqs])
     attn = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
@@ -141,16 +153,69 @@ def answer_batch(target: LoadedModel, batch: list[tuple[str, str, list[int]]], c
     return result
 
 
+ANSWERS_DIR = Path(__file__).with_name("answers")  # the committed answers (`--answers-dir`'s default)
+
+
+class AnswerStore:
+    """The target's answers (token ids), kept apart from the shards: generating them is the slow
+    part of a corpus (hours on a 2-core CPU for thousands of prompts), and they are small (about
+    2 MB gzipped JSON lines for 3,000 prompts), so they can be committed. A later build on a fresh
+    machine then only runs the fast teacher-forced pass. Keyed by what changes an answer: the
+    target, its dtype, the answer cap, the prompt cap, the batch size and the draw's seed. An
+    answer is used only for exactly the prompt ids it was made for."""
+
+    def __init__(self, folder: Path, target: LoadedModel, cfg: CorpusConfig):
+        key = json.dumps([target.spec, str(target.dtype), cfg.max_new_tokens, cfg.max_prompt_tokens, cfg.batch_size,
+                          cfg.seed])
+        self.path = Path(folder) / f"answers-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl.gz"
+        self.header = {"target": target.spec, "dtype": str(target.dtype).removeprefix("torch."),
+                       "settings": {k: v for k, v in asdict(cfg).items() if k not in ("split", "prompts", "top_logits")}}
+        self.rows: dict[str, dict] = {}
+        if self.path.is_file():
+            with gzip.open(self.path, "rt", encoding="utf-8") as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+            self.rows = {row["key"]: row for row in lines[1:]}
+
+    def get(self, batch: list[tuple[str, str, list[int]]]) -> list[list[int]] | None:
+        rows = [self.rows.get(key) for key, _, _ in batch]
+        if any(r is None or r["prompt"] != prompt for r, (_, _, prompt) in zip(rows, batch)):
+            return None
+        return [r["answer"] for r in rows]
+
+    def put(self, batch: list[tuple[str, str, list[int]]], answers: list[list[int]]) -> None:
+        for (key, _, prompt), answer in zip(batch, answers):
+            self.rows[key] = {"key": key, "prompt": prompt, "answer": answer}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as f:
+            f.write(json.dumps(self.header) + "\n")
+            for key in sorted(self.rows):
+                f.write(json.dumps(self.rows[key], separators=(",", ":")) + "\n")
+        tmp.replace(self.path)  # atomic
+
+
 def _save(shard: dict, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(shard, tmp)
     tmp.replace(path)  # atomic: a shard on disk is always whole
 
 
-def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True) -> list[Path]:
+def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True,
+                 answers_dir: Path | None = None, answers_only: bool = False) -> list[Path]:
     """Answer the draw's prompts that no shard holds yet; returns the draw's shard files. A shard
     is reused only if it holds exactly the prompts its batch asks for (info.json keeps each
-    shard's keys): a larger draw changes the last, partial block, which is then answered again."""
+    shard's keys): a larger draw changes the last, partial block, which is then answered again.
+    With answers_dir, answers come from (and new ones go to) an AnswerStore there, so only the
+    teacher-forced pass runs for prompts answered before, on any machine. answers_only: only fill
+    the store (no shards; returns [])."""
+    store = AnswerStore(answers_dir, target, cfg) if answers_dir is not None else None
+    if answers_only:
+        if store is None:
+            raise InputError("answers only needs an answers folder")
+        todo = [batch for _, batch in _batches(target, cfg) if store.get(batch) is None]
+        for batch in tqdm(todo, desc=f"answers {cfg.split}", unit="batch", disable=not progress):
+            store.put(batch, generate_answers(target, batch, cfg))
+        return []
     folder = corpus_dir(target, cfg)
     folder.mkdir(parents=True, exist_ok=True)
     info_path = folder / "info.json"
@@ -163,7 +228,12 @@ def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True) 
     bar = tqdm(todo, desc=f"corpus {cfg.split} (target answers)", unit="batch", disable=not progress)
     for name, batch in bar:
         begin = time.perf_counter()
-        seqs = answer_batch(target, batch, cfg)
+        answers = store.get(batch) if store is not None else None
+        if answers is None:
+            answers = generate_answers(target, batch, cfg)
+            if store is not None:
+                store.put(batch, answers)
+        seqs = teacher_forced(target, batch, answers, cfg)
         _save({"sequences": [asdict(s) for s in seqs]}, folder / f"{name}.pt")
         seconds = time.perf_counter() - begin
         info["seconds"][cfg.split] = round(info["seconds"].get(cfg.split, 0.0) + seconds, 1)
