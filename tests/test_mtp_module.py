@@ -237,8 +237,9 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "module"
     args = ["mtp-module", "--model", tiny_target, "--prompts", "12", "--heldout", "4", "--spec-bench", "6",
             "--max-new-tokens", "8", "--data-batch", "4", "--steps", "8", "--batch-positions", "256",
-            "--depths", "3", "--out", str(out), "--dtype", "float32", "--quiet"]
+            "--depths", "3", "--out", str(out), "--dtype", "float32", "--quiet", "--answers-dir", str(tmp_path / "answers")]
     assert main(args) == 0
+    assert len(list((tmp_path / "answers").glob("answers-*.jsonl.gz"))) == 1  # train, heldout, spec-bench: one store
     card = json.loads((out / CARD_FILE).read_text())
     assert card["kind"] == KIND and card["layers"] == 1 and card["training"]["steps"] == 8
     assert set(card["evaluation"]) == {"heldout", "spec_bench"}
