@@ -239,6 +239,12 @@ def request(**fields):
     ({"poisson": {"rate_per_s": 1, "count": 3, "classes": []}}, "poisson.classes must be a non-empty list"),
     ({"poisson": {"rate_per_s": 1, "count": 3, "classes": [{"cls": "short", "words": [5, 2]}]}},
      "poisson.classes\\[0\\].words must be \\[min, max\\]"),
+    ({"poisson": {"rate_per_s": 1, "count": 3, "classes": [{"cls": "short", "words": [2, 5], "then": []}]}},
+     "poisson.classes\\[0\\].then must be a string or a non-empty list"),
+    ({"poisson": {"rate_per_s": 1, "count": 3, "classes": [{"cls": "short", "words": [2, 5], "starts": [-1]}]}},
+     "poisson.classes\\[0\\].starts must be a list of word offsets"),
+    ({"system": "  ", "requests": [request()]}, "system is empty"),
+    ({"requests": [request(system=5)]}, "requests\\[0\\].system must be a string or an object"),
 ])
 def test_workload_validation_names_the_field(data, message):
     with pytest.raises(InputError, match=message) as err:
@@ -261,6 +267,19 @@ def test_workload_files_and_names(tmp_path):
     good.write_text(json.dumps({"max_new_tokens": 5, "requests": [request(arrival_s=2), request(request_id="z")]}))
     w = load_workload(str(good))
     assert [(r.request_id, r.arrival_s, r.max_new_tokens) for r in w.requests] == [("z", 0.0, 5), ("r0", 2.0, 5)]
+
+
+def test_a_shared_system_prompt_and_shared_documents():
+    data = {"system": {"words": 5, "then": "Be brief."}, "requests": [request(), request(request_id="own", system="Mine.")]}
+    w = parse_workload(data)
+    assert w.requests[0].system == "A lighthouse is a promise\n\nBe brief." and w.requests[1].system == "Mine."
+    assert parse_workload(w.to_jsonable()).requests == w.requests  # the recorded form keeps each system prompt
+    mix = load_workload("doc-mix")
+    starts = {r.prompt.split("\n\n")[0][:40] for r in mix.requests}
+    questions = {r.prompt.rsplit("\n\n", 1)[1] for r in mix.requests}
+    assert len(starts) == 4 and len(questions) > 3  # four documents, several questions about each
+    shared = load_workload("shared-system-prompt")
+    assert len({r.system for r in shared.requests}) == 1 and len(shared.requests[0].system.split()) > 400
 
 
 def test_builtin_scenarios():
