@@ -8,8 +8,11 @@ proves the fix on the embedded model and on a tiny one):
 
 - Linear layers: the single-row path (a matrix-vector kernel) reduces a long input (the MLP down
   projection's 1536 inputs) in another order than the multi-row kernel, which agrees with itself
-  for every row count. `InvariantLinear` sends a single row through the multi-row kernel (two
-  copies of the row, one result kept). Which linears need it is measured on their own weights.
+  for every row count. Every linear (`product`) sends a single row through the multi-row kernel
+  (two copies of the row, one result kept), with its weight prepacked in oneDNN's layout
+  (`_Packed`: F.linear reorders the weight at every call, which for a few rows costs as much as
+  the product); each packed shape is checked at its first use to give a row the same bits at
+  every row count a verification, tree or prefill chunk uses, and takes F.linear if not.
 - Attention: SDPA (and transformers' eager path) reduce over a number of keys and with kernels
   that depend on the query count. `invariant_attention` computes each query's attention with
   shapes that do not: the queries sharing a key/value head are stacked (GQA: groups x tokens
@@ -195,14 +198,94 @@ AttentionInterface.register(ATTENTION_NAME, invariant_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean masks, None when causal
 
 
+class _Packed:
+    """oneDNN's prepacked copy of one weight (its blocked layout, made once), for `product`.
+
+    A 16-bit F.linear on this CPU reorders its weight into oneDNN's layout at every call; for
+    one to nine rows that reorder costs about as much as the product itself (a plain step is
+    ~120 products), so the reordered copy is kept, as inductor's frozen CPU graphs keep theirs.
+    The copy is remade when its weight changes (another tensor, or an in-place write); a deep
+    copy starts empty (oneDNN's opaque tensors cannot be copied) and packs at its first call."""
+
+    __slots__ = ("tensor", "stamp")
+
+    def __init__(self) -> None:
+        self.tensor, self.stamp = None, None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        version = -1 if weight.is_inference() else weight._version
+        if self.stamp is None or self.stamp[0] is not weight or self.stamp[1] != version:
+            self.tensor = _pack(weight)
+            self.stamp = (weight, version)
+        return self.tensor
+
+    def __deepcopy__(self, memo: dict) -> "_Packed":
+        return _Packed()
+
+
+_PACKABLE: dict[tuple, bool] = {}  # (out, in, dtype, bias): the packed product passed the row check
+_pack_lock = threading.Lock()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed weight, or None where packing is not available or not row-invariant for this
+    shape (then `product` takes F.linear)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
+        return None
+    key = (*weight.shape, weight.dtype)
+    with _pack_lock:
+        if key not in _PACKABLE:
+            _PACKABLE[key] = _packed_rows_agree(*weight.shape, weight.dtype)
+    if not _PACKABLE[key]:
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)
+
+
+CHECK_ROWS = (2, 3, 5, 9, 17, 64, 257)  # row counts the packed product is checked at: verifications, trees, chunks
+
+
+@torch.inference_mode()
+def _packed_rows_agree(out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0) -> bool:
+    """Does the packed product of this shape give each row the bits it gets alone (as two
+    copies of the row), for every row count in CHECK_ROWS? Random weights at a layer's scale:
+    the kernel's reduction order depends on the shapes, not on the values."""
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
+        x = torch.randn(max(CHECK_ROWS), in_features, generator=gen).to(dtype)
+        run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+        alone = torch.cat([run(torch.cat([x[i:i + 1]] * 2))[:1] for i in range(max(CHECK_ROWS))])
+        return all(torch.equal(run(x[:m]), alone[:m]) for m in CHECK_ROWS)
+    except (RuntimeError, AttributeError):  # no oneDNN, or no 16-bit support in it
+        return False
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed | None) -> torch.Tensor:
+    """x @ weight.T + bias with each row's bits independent of how many rows share the call: a
+    single row goes through the multi-row kernel as two copies of itself (one result kept), and
+    the weight is the packed copy where that passed its row check."""
+    one = x.numel() == x.shape[-1]
+    if one:
+        x = torch.cat([x, x], dim=-2)
+    w = packed.get(weight) if packed is not None else None
+    out = F.linear(x, weight, bias) if w is None else torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return out[..., :1, :] if one else out
+
+
 class InvariantLinear(torch.nn.Linear):
-    """A linear layer whose single-row calls take the multi-row kernel, so a row's output does
-    not depend on how many rows share the call."""
+    """A linear layer whose rows do not depend on how many rows share the call (`product`):
+    single rows take the multi-row kernel, and the weight is kept packed."""
+
+    _packed: _Packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
+        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
             return F.linear(x, self.weight, self.bias)
-        return F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
+        if "_packed" not in self.__dict__:
+            self._packed = _Packed()
+        return product(x, self.weight, self.bias, self._packed)
 
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears that read one input
@@ -246,12 +329,7 @@ class _FusedGroup:
         members = self.members
         self.weight = torch.cat([m.weight.detach() for m in members])
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        whole = torch.nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None,
-                                device=self.weight.device, dtype=self.weight.dtype)
-        whole.weight.copy_(self.weight)
-        if self.bias is not None:
-            whole.bias.copy_(self.bias)
-        self.duplicate_row = not row_invariant(whole)  # single rows need the multi-row kernel
+        self._packed = _Packed()
         self._stamps = self._current()
 
     def _fresh(self) -> bool:
@@ -281,10 +359,7 @@ class _FusedGroup:
         if pending is None or pending[0] is not x or member not in pending[2]:
             if not self._fresh():
                 self._build()
-            if self.duplicate_row and x.numel() == x.shape[-1]:
-                out = F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
-            else:
-                out = F.linear(x, self.weight, self.bias)
+            out = product(x, self.weight, self.bias, self._packed)
             pending = (x, out, set(range(len(self.members))))
         pending[2].discard(member)
         self._pending.value = pending if pending[2] else None
@@ -297,7 +372,7 @@ class _FusedGroup:
         new = _FusedGroup.__new__(_FusedGroup)
         memo[id(self)] = new
         new.members = [copy.deepcopy(m, memo) for m in self.members]
-        new.weight, new.bias, new.duplicate_row, new._stamps = self.weight, self.bias, self.duplicate_row, None
+        new.weight, new.bias, new._packed, new._stamps = self.weight, self.bias, self._packed, None
         new._pending = threading.local()
         return new
 
@@ -347,9 +422,9 @@ def row_invariant(linear: torch.nn.Linear, rows: int = 64, seed: int = 0) -> boo
 
 
 def make_invariant(model: torch.nn.Module) -> list[str]:
-    """Switch a loaded 16-bit model to batch-invariant attention and linears, in place, with
-    the sibling projections fused (_FusedGroup). Returns the names of the linears that needed the
-    multi-row path."""
+    """Switch a loaded 16-bit model to batch-invariant attention and linears, in place: the
+    sibling projections fused (_FusedGroup), every other linear an InvariantLinear, weights
+    packed at their first call. Returns the names of the linears switched."""
     for parent in list(model.modules()):
         for names in FUSED_GROUPS:
             members = _fusable(parent, names)
@@ -357,7 +432,7 @@ def make_invariant(model: torch.nn.Module) -> list[str]:
                 _fuse(members)
     fixed = []
     for name, module in model.named_modules():
-        if type(module) is torch.nn.Linear and not row_invariant(module):
+        if type(module) is torch.nn.Linear:
             module.__class__ = InvariantLinear  # same parameters, another forward
             fixed.append(name)
     model.config._attn_implementation = ATTENTION_NAME

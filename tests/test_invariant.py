@@ -77,6 +77,42 @@ def test_invariant_linear_sends_one_row_through_the_multi_row_kernel():
     assert torch.equal(fixed(x[None, 2:3])[0, 0], together[2])  # (B, T, H) input, T = 1
 
 
+def test_a_packed_weight_gives_every_row_count_the_same_bits_and_follows_its_weight():
+    """The linears keep their weight prepacked (oneDNN's layout, engine.invariant._Packed): a row
+    gets the same bits at every row count, the packed copy is remade when the weight is written
+    in place or replaced, and a deep copy (a distilled draft copies layers) packs its own."""
+    import copy
+
+    from engine.invariant import _PACKABLE, CHECK_ROWS
+
+    torch.manual_seed(1)
+    linear = InvariantLinear(1536, 96, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(max(CHECK_ROWS), 1536, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
+        for m in CHECK_ROWS:
+            assert torch.equal(linear(x[:m]), alone[:m]), m
+        assert _PACKABLE[(96, 1536, torch.bfloat16)], "oneDNN packing is available on the CI CPUs (avx512)"
+        assert linear._packed.tensor is not None
+        # the packed product is F.linear's multi-row product
+        assert torch.equal(linear(x[:9]), torch.nn.functional.linear(x[:9], linear.weight, linear.bias))
+    with torch.no_grad():
+        linear.weight.mul_(0.5)  # loading trained weights writes in place
+    with torch.inference_mode():
+        assert torch.equal(linear(x[:5]), torch.nn.functional.linear(x[:5], linear.weight, linear.bias))
+    linear.weight = torch.nn.Parameter(torch.randn(96, 1536, dtype=torch.bfloat16))  # replaced
+    twin = copy.deepcopy(linear)
+    with torch.no_grad():
+        twin.weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(linear(x[:5]), torch.nn.functional.linear(x[:5], linear.weight, linear.bias))
+        assert torch.equal(twin(x[:5]), torch.nn.functional.linear(x[:5], twin.weight, twin.bias))
+        assert not torch.equal(twin(x[:5]), linear(x[:5]))
+    twin.weight.requires_grad_(True)  # training: plain F.linear, so gradients reach the weight
+    twin(x[:3]).sum().backward()
+    assert twin.weight.grad is not None
+
+
 @torch.inference_mode()
 def fused_members_match_their_own_products(model: torch.nn.Module, rows=(1, 2, 5, 9, 33)) -> int:
     """Each fused projection's slice, called as the model calls it (every member on one input),

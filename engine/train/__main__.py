@@ -22,7 +22,7 @@ import torch
 
 from engine.errors import InputError
 from engine.models import load_model
-from engine.mtp.weights import WEIGHTS_DIR
+from engine.mtp.weights import WEIGHTS_DIR, resolve_weights
 from engine.train.common import write_vocabulary
 from engine.train.corpus import ANSWERS_DIR, CorpusConfig, build_corpus, corpus_dir, load_corpus
 from engine.train.module import ModuleConfig, train_module
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     module.add_argument("--lr", type=float, default=ModuleConfig.lr)
     module.add_argument("--minutes", type=float, default=0.0,
                         help="a training time budget: the first steps are timed and --steps set to fit it")
+    module.add_argument("--init", default="",
+                        help="start from this trained module's weights (a folder or a shipped name, e.g. mtp-module)")
     return parser
 
 
@@ -123,7 +125,8 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     info = {"prompts_file": "engine/train/train_prompts.jsonl", "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
             "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
-                       lr=args.lr, seed=args.seed, minutes=args.minutes)
+                       lr=args.lr, seed=args.seed, minutes=args.minutes,
+                       init=str(resolve_weights(args.init)) if args.init else "")
     evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
     card = train_module(target, data["train"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
                         info, progress)

@@ -18,7 +18,8 @@ per depth (top-1, top-5 and conditional on the depths before being right) on hel
 prompts and on the Spec-Bench dev questions (answered by the target; never trained on).
 
 Checkpoints every `checkpoint_every` steps (module, optimizer, step, RNG) so an interrupted run
-resumes where it stopped.
+resumes where it stopped. `init` starts from a trained module's weights (a warm start: a later
+session trains further on the same or more data; the card lists the runs before it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from tqdm import tqdm
 from engine.drafters.vocab import save_vocabulary
 from engine.models import LoadedModel, cache_root
 from engine.mtp.module import KIND, build_module, trained_state
-from engine.mtp.weights import save_weights
+from engine.errors import InputError
+from engine.mtp.weights import load_weights, read_card_for, save_weights
 from engine.train.common import FIRST_IDS, cosine_lr, seed_everything
 from engine.train.corpus import Sequence, corpus_stats
 
@@ -55,6 +57,7 @@ class ModuleConfig:
     seed: int = 0
     checkpoint_every: int = 100
     minutes: float = 0.0  # > 0: a time budget; the first steps are timed and `steps` set to fit it
+    init: str = ""  # a trained module's folder to start from (warm start), "" for the target's last layer
 
 
 def drafting_vocabulary(seqs: list[Sequence], vocab_size: int, top: int = 4, first_ids: int = FIRST_IDS) -> torch.Tensor:
@@ -213,6 +216,16 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
     gen = seed_everything(cfg.seed)
     pad = min(target.eos_token_ids, default=0)
     module = build_module(target, cfg.layers)
+    history = []  # earlier runs this one continues (warm start), from their cards
+    if cfg.init:
+        card = read_card_for(Path(cfg.init), KIND, target, "MTP module")
+        if card["layers"] != cfg.layers:
+            raise InputError(f"{cfg.init} has {card['layers']} layers; --layers is {cfg.layers}")
+        state = {k.removeprefix("layers."): v for k, v in load_weights(Path(cfg.init), "cpu", torch.float32).items()}
+        module.layers.load_state_dict(state, strict=True)
+        history = card.get("training_history", []) + [{k: card["training"].get(k) for k in
+                                                      ("steps_run", "batch_positions", "lr", "train_s", "final_loss")}
+                                                     | {"command": card.get("command")}]
     module.train()
     vocab = drafting_vocabulary(train, target.vocab_size)
     to_vocab = torch.full((target.vocab_size,), -1, dtype=torch.long)
@@ -280,6 +293,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         "data": {**data_info, "train": corpus_stats(train), **{f"eval_{k}": corpus_stats(v) for k, v in evals.items()}},
         "training": {**asdict(cfg), "steps_run": steps, "final_loss": round(float(loss), 4), "train_s": round(seconds, 1),
                      "train_vocabulary": int(len(vocab))},
+        "training_history": history,  # the runs before this one, when it started from their weights
         "evaluation": after,
         "evaluation_before_training": before,
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
