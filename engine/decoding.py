@@ -27,6 +27,7 @@ from engine.acceptance import (
 )
 from engine.drafters.base import Drafter
 from engine.errors import InputError
+from engine.kv import growing_cache
 from engine.models import LoadedModel
 from engine.mtp.tree import greedy_accept_tree, keep_path, tree_inputs
 from engine.sampling import SamplingConfig, choose, probs_from_logits
@@ -225,7 +226,7 @@ def generate(
     target_rng = torch.Generator().manual_seed(sampling.seed)  # accept and sample draws
     draft_rng = torch.Generator().manual_seed(sampling.seed + 1)  # the drafter's own draws
     eos = frozenset() if cfg.ignore_eos else target.eos_token_ids
-    cache = DynamicCache()
+    cache = growing_cache()  # DynamicCache that grows in place (engine/kv.py)
     for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, clock):
         if isinstance(item, PrefillChunk):
             yield item

@@ -55,11 +55,11 @@ def measure(target: LoadedModel, tokens: tuple[int, ...] = CURVE_TOKENS, repeats
     consecutive forwards (as decoding repeats one shape), one untimed; two passes, T ascending then
     descending, and each T keeps the lower of its two medians, so a slow spell of the machine
     during one pass does not bend the curve."""
-    from transformers import DynamicCache
+    from engine.kv import growing_cache
 
     model = target.model
     gen = torch.Generator().manual_seed(seed)
-    cache = DynamicCache()
+    cache = growing_cache()  # DynamicCache that grows in place (engine/kv.py)
     prompt = torch.randint(0, target.vocab_size, (1, context), generator=gen).to(target.device)
     model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     inputs = {t: torch.randint(0, target.vocab_size, (1, t), generator=gen).to(target.device) for t in tokens}

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
+from engine.kv import growing_cache
 from engine.invariant import FusedLinear, InvariantLinear, invariant_softmax, row_invariant, self_check
 from engine.models import choose_dtype, load_model
 from engine.mtp.tree import tree_inputs
@@ -30,7 +31,7 @@ def embedded_bf16():
 
 
 def _prefilled(model, ids: torch.Tensor, chunk: int) -> DynamicCache:
-    cache = DynamicCache()
+    cache = growing_cache()  # the cache decoding uses
     for s in range(0, ids.shape[1], chunk):
         model(input_ids=ids[:, s:s + chunk], cache=cache, use_cache=True, logits_to_keep=1)
     return cache

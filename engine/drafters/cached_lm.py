@@ -8,9 +8,8 @@ it emitted that the drafter has not seen (a recovered or bonus token) is fed in 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-
 from engine.drafters.vocab import DraftVocabulary
+from engine.kv import growing_cache
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 
 
@@ -20,7 +19,7 @@ class CachedLM:
         self.device = device
         self.vocab = vocab  # the target's vocabulary size; draft logits are padded/cut to it
         self.vocabulary = vocabulary  # score only these tokens (None: the model's whole LM head)
-        self.cache = DynamicCache()
+        self.cache = growing_cache()
         self.cached_ids: list[int] = []
 
     def sync(self, seq: list[int]) -> list[int]:

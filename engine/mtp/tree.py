@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.acceptance import Acceptance
 from engine.errors import InputError
+from engine.kv import GrowingLayer
 
 TREES_FILE = Path(__file__).with_name("trees.yaml")
 
@@ -117,7 +118,7 @@ def keep_path(cache: DynamicCache, past: int, path: tuple[int, ...]) -> None:
     and the accepted drafts (in path order) and drop every other branch."""
     keep = [past] + [past + 1 + i for i in path]
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
             raise InputError(f"tree verification needs a plain KV cache (this model uses {type(layer).__name__})")
         index = torch.tensor(keep, device=layer.keys.device)
         layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.index_select(-2, index)], dim=-2)
