@@ -46,7 +46,7 @@ ATTENTION_NAME = "speclab_invariant"
 QUERY_BLOCK = 256  # long prefill chunks: queries in blocks (rows are independent) to bound memory
 
 
-KEY_BLOCK = 64  # contexts shorter than this are padded with masked zero keys (see _grouped_attention)
+KEY_BLOCK = 64  # key counts are rounded up to a multiple of this with masked keys (see _grouped_attention)
 
 
 def invariant_softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -77,13 +77,14 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     *lead, hq, t, d = query.shape
     hkv, n = key.shape[-3], key.shape[-2]
     g = hq // hkv
-    short = n < KEY_BLOCK
-    if short:
+    extra = -n % KEY_BLOCK
+    if extra:
+        # Key counts are rounded up to a multiple of KEY_BLOCK with masked keys, for two reasons:
         # torch hands batched products below 16^3 multiply-adds to another kernel (cpublas, not
-        # oneDNN), which rounds differently: a short context would take it alone and not inside a
-        # verification. Masked zero keys keep every product on the oneDNN kernel.
-        extra = KEY_BLOCK - n
-        key, value = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra))
+        # oneDNN), which rounds differently, so a short context would take it alone and not
+        # inside a verification; and oneDNN builds a kernel for each new shape, which on some
+        # CPUs costs more than the product (a plain step's context grows by one key each time).
+        key, value = _with_room(key, n + extra), _with_room(value, n + extra)
         if bias is not None:
             bias = F.pad(bias, (0, extra), value=float("-inf"))
     rows = query.reshape(*lead, hkv, g * t, d)  # queries sharing a KV head: (group, token) rows
@@ -96,7 +97,7 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if bias is not None:  # (..., T, N') -> shared by the heads and the query groups
         width = scores.shape[-1]
         scores = (scores.reshape(*lead, hkv, g, t, width) + bias.unsqueeze(-3).unsqueeze(-4)).reshape(*lead, hkv, g * t, width)
-    elif short:
+    elif extra:
         scores[..., n:] = float("-inf")
     weights = invariant_softmax(scores).to(value.dtype)
     if pad:
@@ -105,6 +106,24 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if pad:
         out = out[..., :1, :]
     return out.reshape(*lead, hq, t, d).transpose(-2, -3)  # (..., T, Hq, D)
+
+
+def _with_room(x: torch.Tensor, size: int) -> torch.Tensor:
+    """x (..., N, D) extended to `size` positions along N: a view over the room after it when x
+    lies in a buffer of the decoding cache (engine.kv, zero-filled, so the positions past N hold
+    zeros or the finite entries of dropped drafts; their weight is an exact zero), else a padded
+    copy. Never a view over memory that could hold NaN: 0 x NaN would poison the row."""
+    from engine.kv import buffer_with_room
+
+    d, n = x.shape[-1], x.shape[-2]
+    buffer = buffer_with_room(x)
+    if (buffer is not None and x.stride(-1) == 1 and x.stride(-2) == d and x.dim() >= 3
+            and x.stride(-3) >= size * d and buffer.dtype == x.dtype):
+        sizes = (*x.shape[:-2], size, d)
+        last = x.storage_offset() + sum((s - 1) * st for s, st in zip(sizes, x.stride()))
+        if x.storage_offset() >= buffer.storage_offset() and last < buffer.storage_offset() + buffer.numel():
+            return x.as_strided(sizes, x.stride())
+    return F.pad(x, (0, 0, 0, size - n))
 
 
 def _visible(attention_mask: torch.Tensor | None, t: int, n: int, device) -> torch.Tensor:

@@ -7,16 +7,31 @@ new entries into it; `keys` and `values` are views of the filled part. Cropping 
 shortens the views and the next write reuses the room. Anything that replaces `keys`/`values`
 with tensors of its own (a tree verification keeping one path, engine.mtp.tree.keep_path) is
 adopted: the next write grows from them. The entries, and so every logit, are the same as with
-DynamicLayer (tests/test_kv.py and the invariance tests).
+DynamicLayer (tests/test_kv.py and the invariance tests). Buffers are zero-filled and their
+length a multiple of 64, so the invariant attention can read past the entries as masked keys
+(engine.invariant._with_room) rather than copy the cache to pad its key count.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 MIN_ROOM = 256  # positions a buffer has at least
+ROOM_BLOCK = 64  # a buffer's positions are a multiple of this (the invariant attention's key block)
+
+_buffers: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # storage ptr -> buffer
+
+
+def buffer_with_room(x: torch.Tensor) -> torch.Tensor | None:
+    """The decoding-cache buffer x is a view of, if any: zero-filled when made, so its positions
+    past a layer's entries hold zeros or entries of dropped drafts, finite either way
+    (engine.invariant reads that room as masked keys instead of copying to pad)."""
+    buffer = _buffers.get(x.untyped_storage().data_ptr())
+    return buffer if buffer is not None and buffer.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else None
 
 
 class GrowingLayer(DynamicLayer):
@@ -47,9 +62,11 @@ class GrowingLayer(DynamicLayer):
                 and kb.shape[:-2] == key_states.shape[:-2])
 
     def _grow(self, n: int, need: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        room = max(MIN_ROOM, 2 * need)
-        kb = key_states.new_empty(*key_states.shape[:-2], room, key_states.shape[-1])
-        vb = value_states.new_empty(*value_states.shape[:-2], room, value_states.shape[-1])
+        room = -(-max(MIN_ROOM, 2 * need) // ROOM_BLOCK) * ROOM_BLOCK
+        kb = key_states.new_zeros(*key_states.shape[:-2], room, key_states.shape[-1])
+        vb = value_states.new_zeros(*value_states.shape[:-2], room, value_states.shape[-1])
+        _buffers[kb.untyped_storage().data_ptr()] = kb
+        _buffers[vb.untyped_storage().data_ptr()] = vb
         if n:
             kb[..., :n, :] = self.keys
             vb[..., :n, :] = self.values

@@ -251,6 +251,18 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
     vocab = drafting_vocabulary(load_corpus(sorted((tmp_path / "cache").glob("train/corpus-*/train-*.pt"))), target.vocab_size)
     assert card["draft_vocabulary"]["tokens"] == len(vocab)
+    # a warm start continues from those weights (its evaluation before training is theirs after,
+    # up to their float16 storage), and the card lists the run it continued
+    again = tmp_path / "module-2"
+    warm = args[:args.index("--steps")] + ["--steps", "4"] + args[args.index("--batch-positions"):args.index("--out")]
+    warm += ["--out", str(again), "--dtype", "float32", "--quiet", "--answers-dir", str(tmp_path / "answers")]
+    assert main(warm + ["--init", str(out)]) == 0
+    second = json.loads((again / CARD_FILE).read_text())
+    before, trained = second["evaluation_before_training"]["heldout"], card["evaluation"]["heldout"]
+    assert all(abs(a - b) < 0.05 for a, b in zip(before["top1"], trained["top1"]))
+    assert before != card["evaluation_before_training"]["heldout"]  # not the untrained module
+    assert [run["steps_run"] for run in second["training_history"]] == [8] and second["training"]["steps_run"] == 4
+    assert main(warm + ["--init", "no-such-weights"]) == 2
 
 
 def test_a_time_budget_sets_the_number_of_steps(tiny_target, tmp_path, monkeypatch):
