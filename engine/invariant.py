@@ -242,7 +242,7 @@ class _Packed:
         return _Packed()
 
 
-_PACKABLE: dict[tuple, bool] = {}  # (out, in, dtype, bias): the packed product passed the row check
+_PACKABLE: dict[tuple, bool] = {}  # (out, in, dtype): the packed product of that shape passed the row check
 _pack_lock = threading.Lock()
 
 

@@ -4,9 +4,9 @@ transformers' DynamicLayer appends by concatenation: each step allocates the lay
 again and copies it, 2 x layers copies of everything cached per forward. `GrowingLayer` keeps
 each layer's keys and values in a buffer with spare room (it doubles when full) and writes the
 new entries into it; `keys` and `values` are views of the filled part. Cropping (rejected drafts)
-shortens the views and the next write reuses the room. Anything that replaces `keys`/`values`
-with tensors of its own (a tree verification keeping one path, engine.mtp.tree.keep_path) is
-adopted: the next write grows from them. The entries, and so every logit, are the same as with
+shortens the views and the next write reuses the room (a tree verification keeping one path,
+engine.mtp.tree.keep_path, writes it in place and cuts the rest). Anything that replaces
+`keys`/`values` with tensors of its own is adopted: the next write grows from them. The entries, and so every logit, are the same as with
 DynamicLayer (tests/test_kv.py and the invariance tests). Buffers are zero-filled and their
 length a multiple of 64, so the invariant attention can read past the entries as masked keys
 (engine.invariant._with_room) rather than copy the cache to pad its key count.

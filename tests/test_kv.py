@@ -39,12 +39,16 @@ def test_growing_cache_matches_dynamic_cache_through_appends_crops_trees_and_gro
             plain.crop(keep - t)
         pos += keep
         _same(grow, plain)
-    # a tree keeps one path: its entries are replaced, then adopted by the next write
+    # a tree keeps one path, written in place: the growing layer keeps its buffer
     t = 4
     step(grow, pos, pos + t), step(plain, pos, pos + t)
+    buffer = grow.layers[0]._key_buffer
     keep_path(grow, pos, (1, 2))
     keep_path(plain, pos, (1, 2))
     _same(grow, plain)
+    assert grow.layers[0]._key_buffer is buffer and grow.layers[0].keys.data_ptr() == buffer.data_ptr()
+    # anything that replaces the entries with tensors of its own is adopted by the next write
+    grow.layers[1].keys, grow.layers[1].values = grow.layers[1].keys.clone(), grow.layers[1].values.clone()
     pos += 3
     room = grow.layers[0]._key_buffer.shape[-2]
     while pos < ids.shape[1] - 8:  # past the room: the buffers grow

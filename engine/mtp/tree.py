@@ -121,8 +121,12 @@ def keep_path(cache: DynamicCache, past: int, path: tuple[int, ...]) -> None:
         if type(layer) not in (DynamicLayer, GrowingLayer):
             raise InputError(f"tree verification needs a plain KV cache (this model uses {type(layer).__name__})")
         index = torch.tensor(keep, device=layer.keys.device)
-        layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.index_select(-2, index)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :past, :], layer.values.index_select(-2, index)], dim=-2)
+        # the kept entries written over the tree's in place, then the rest cut: a growing layer
+        # keeps its buffer (engine/kv.py), a plain one its tensor
+        end = past + len(keep)
+        layer.keys[..., past:end, :] = layer.keys.index_select(-2, index)
+        layer.values[..., past:end, :] = layer.values.index_select(-2, index)
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
 
 
 def best_tree(rank_accuracy: list[list[float]], nodes: int) -> tuple[list[tuple[int, ...]], float]:
