@@ -1,9 +1,10 @@
-"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary, corpus, mtp-module} [options]
+"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary, self-prompts, corpus, mtp-module} [options]
 
 Every trainer first self-distils (the target answers a prompt set; cached under
 $SPECLAB_CACHE/train, so reruns skip it), then trains, then writes weights + card.json to --out.
 mtp-heads and draft-model read the templated prompts.jsonl; corpus and mtp-module read the real
-prompts of train_prompts.jsonl (engine/train/corpus.py, DATA.md) in bfloat16.
+prompts of train_prompts.jsonl (engine/train/corpus.py, DATA.md) in bfloat16, and with
+--self-prompts the requests self-prompts had the target write (engine/train/self_prompts.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR, resolve_weights
 from engine.train.common import write_vocabulary
-from engine.train.corpus import ANSWERS_DIR, CorpusConfig, build_corpus, corpus_dir, load_corpus
+from engine.train.corpus import ANSWERS_DIR, SPLITS, CorpusConfig, build_corpus, corpus_dir, load_corpus
 from engine.train.module import ModuleConfig, train_module
 from engine.train.data import DataConfig, build_dataset
 from engine.train.draft import DraftConfig, train_draft
 from engine.train.heads import HeadsConfig, train_heads
 from engine.train.prompts import PROMPTS_FILE, write_prompts
+from engine.train.self_prompts import SELF_PROMPTS, SelfPromptConfig, build_self_prompts
 
 
 def _data_args(p: argparse.ArgumentParser, out: str) -> None:
@@ -64,14 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(vocab, "mtp-heads")
     corpus = sub.add_parser("corpus", help="only self-distil the real prompts (resumable shards)")
     _corpus_args(corpus)
-    corpus.add_argument("--split", default="train", choices=("train", "heldout", "spec-bench"))
+    corpus.add_argument("--split", default="train", choices=SPLITS)
     corpus.add_argument("--answers-only", action="store_true",
                         help="only generate the answers into --answers-dir (the slow part; commit them), no shards")
+    selfp = sub.add_parser("self-prompts", help="the target writes requests itself (Magpie) into self_prompts.jsonl")
+    selfp.add_argument("--model", default="embedded", help="preset name or local folder of the target")
+    selfp.add_argument("--count", type=int, default=SelfPromptConfig.count, help="requests the file is extended to")
+    selfp.add_argument("--data-batch", type=int, default=SelfPromptConfig.batch_size, help="requests sampled together")
+    selfp.add_argument("--seed", type=int, default=0)
+    selfp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    selfp.add_argument("--quiet", action="store_true", help="no progress bars")
     module = sub.add_parser("mtp-module", help="train the DeepSeek-style MTP module")
     _corpus_args(module)
     module.add_argument("--out", default=str(WEIGHTS_DIR / "mtp-module"), help="folder for weights + card.json")
     module.add_argument("--heldout", type=int, default=160, help="held-out train prompts answered for the card")
     module.add_argument("--spec-bench", type=int, default=120, help="Spec-Bench dev questions answered for the card")
+    module.add_argument("--self-prompts", type=int, default=0,
+                        help="also train on this many requests the target wrote itself (self_prompts.jsonl)")
     module.add_argument("--layers", type=int, default=ModuleConfig.layers)
     module.add_argument("--depths", type=int, default=ModuleConfig.depths)
     module.add_argument("--steps", type=int, default=ModuleConfig.steps)
@@ -116,19 +127,22 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
         seqs = load_corpus(shards)
         print(f"{corpus_dir(target, cfg)}: {len(seqs)} {args.split} sequences, {sum(s.answer_len for s in seqs)} answer positions")
         return 0
-    splits = {"train": base.prompts, "heldout": args.heldout, "spec-bench": args.spec_bench}
+    splits = {"train": base.prompts, "self": args.self_prompts, "heldout": args.heldout, "spec-bench": args.spec_bench}
     data = {}
     for split, n in splits.items():
+        if split == "self" and not n:
+            data[split] = []
+            continue
         cfg = CorpusConfig(**{**base.__dict__, "split": split, "prompts": n})
         shards = build_corpus(target, cfg, progress, _answers_dir(args))
         data[split] = load_corpus(shards)
-    info = {"prompts_file": "engine/train/train_prompts.jsonl", "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
+    info = {"prompts_file": "engine/train/train_prompts.jsonl" + (" + engine/train/self_prompts.jsonl" if args.self_prompts else ""), "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
             "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
                        lr=args.lr, seed=args.seed, minutes=args.minutes,
                        init=str(resolve_weights(args.init)) if args.init else "")
     evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
-    card = train_module(target, data["train"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
+    card = train_module(target, data["train"] + data["self"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
                         info, progress)
     print(f"wrote {args.out}: " + json.dumps(card["evaluation"]))
     return 0
@@ -143,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPECLAB_ALLOW_ANY_MODEL", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.command == "self-prompts":
+        try:
+            target = load_model(args.model, device="cpu", dtype="bfloat16", kernels="stock")  # batched: stock kernels
+            cfg = SelfPromptConfig(count=args.count, batch_size=args.data_batch, seed=args.seed)
+            print(f"{SELF_PROMPTS}: " + json.dumps(build_self_prompts(target, cfg, progress=not args.quiet)))
+        except InputError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command in ("corpus", "mtp-module"):
         try:
             return _corpus_main(args, argv)

@@ -6,7 +6,8 @@ Prompts: engine/train/train_prompts.jsonl (14,106 prompts under MIT or Apache-2.
 questions, GPTeacher code and roleplay instructions, Self-Instruct seed tasks; sources and
 licences in engine/train/DATA.md). Every 20th row is held out (never trained on; the cards' accuracies read it).
 The Spec-Bench dev questions (engine/bench/prompts/spec-bench.jsonl) can be answered the same
-way, as an evaluation set only (`split="spec-bench"`): no trainer reads that split.
+way, as an evaluation set only (`split="spec-bench"`): no trainer reads that split. Split "self"
+holds the requests the target wrote itself (engine/train/self_prompts.py, Magpie), all trained on.
 
 Why a teacher-forced pass after generating: a drafter is fed the hidden states the engine's
 verification and prefill forwards produce (all positions, prompt included: an MTP module keeps a
@@ -38,7 +39,7 @@ from engine.models import LoadedModel, cache_root
 
 TRAIN_PROMPTS = Path(__file__).with_name("train_prompts.jsonl")
 HELDOUT_EVERY = 20  # row i is held out when i % 20 == 0
-SPLITS = ("train", "heldout", "spec-bench")
+SPLITS = ("train", "heldout", "spec-bench", "self")
 BLOCK = 256  # prompts drawn together; sorted by length inside a block, then batched
 
 
@@ -80,6 +81,10 @@ def read_split(split: str) -> list[tuple[str, str, str]]:
 
         rows = [json.loads(line) for line in SPEC_BENCH_FILE.read_text(encoding="utf-8").split("\n") if line.strip()]
         return [(f"spec-bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
+    if split == "self":
+        from engine.train.self_prompts import read_self_prompts
+
+        return [(f"self/{i}", r["source"], r["text"]) for i, r in enumerate(read_self_prompts())]
     rows = [json.loads(line) for line in TRAIN_PROMPTS.read_text(encoding="utf-8").split("\n") if line.strip()]
     held = split == "heldout"
     return [(f"{split}/{i}", r["source"], r["text"]) for i, r in enumerate(rows) if (i % HELDOUT_EVERY == 0) == held]
