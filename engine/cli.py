@@ -47,6 +47,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--exit-layer", type=int, default=0, help="early-exit layers (0 = a quarter)")
     p.add_argument("--tree", default=None, help="mtp tree shape (default: chain)")
+    p.add_argument("--draft-stop", type=float, default=0.0,
+                   help="draft-model, early-exit, mtp chains: end a chain after a draft whose own probability "
+                        "is below this (0 = always draft k); exact either way")
     p.add_argument("--draft-vocab", choices=vocab.CHOICES, default=vocab.TRAINED,
                    help="trained draft model / MTP heads: score only their shipped drafting vocabulary "
                         "(trained, default) or every token (full); the output is the same")
@@ -59,7 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def drafter_from_args(args: argparse.Namespace) -> DrafterSpec:
     return DrafterSpec(
         method=args.method, draft=args.draft, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-        exit_layer=args.exit_layer, tree=args.tree, draft_vocab=args.draft_vocab,
+        exit_layer=args.exit_layer, tree=args.tree, draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
     )
 
 

@@ -10,7 +10,7 @@ proves the fix on the embedded model and on a tiny one):
   projection's 1536 inputs) in another order than the multi-row kernel, which agrees with itself
   for every row count. Every linear (`product`) sends a single row through the multi-row kernel
   (two copies of the row, one result kept), with its weight prepacked in oneDNN's layout
-  (`_Packed`: F.linear reorders the weight at every call, which for a few rows costs as much as
+  (`PackedWeight`: F.linear reorders the weight at every call, which for a few rows costs as much as
   the product); each packed shape is checked at its first use to give a row the same bits at
   every row count a verification, tree or prefill chunk uses, and takes F.linear if not.
 - Attention: SDPA (and transformers' eager path) reduce over a number of keys and with kernels
@@ -217,7 +217,7 @@ AttentionInterface.register(ATTENTION_NAME, invariant_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean masks, None when causal
 
 
-class _Packed:
+class PackedWeight:
     """oneDNN's prepacked copy of one weight (its blocked layout, made once), for `product`.
 
     A 16-bit F.linear on this CPU reorders its weight into oneDNN's layout at every call; for
@@ -238,8 +238,8 @@ class _Packed:
             self.stamp = (weight, version)
         return self.tensor
 
-    def __deepcopy__(self, memo: dict) -> "_Packed":
-        return _Packed()
+    def __deepcopy__(self, memo: dict) -> "PackedWeight":
+        return PackedWeight()
 
 
 _PACKABLE: dict[tuple, bool] = {}  # (out, in, dtype): the packed product of that shape passed the row check
@@ -281,7 +281,7 @@ def _packed_rows_agree(out_features: int, in_features: int, dtype: torch.dtype, 
         return False
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed | None) -> torch.Tensor:
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     """x @ weight.T + bias with each row's bits independent of how many rows share the call: a
     single row goes through the multi-row kernel as two copies of itself (one result kept), and
     the weight is the packed copy where that passed its row check."""
@@ -297,13 +297,13 @@ class InvariantLinear(torch.nn.Linear):
     """A linear layer whose rows do not depend on how many rows share the call (`product`):
     single rows take the multi-row kernel, and the weight is kept packed."""
 
-    _packed: _Packed
+    _packed: PackedWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
             return F.linear(x, self.weight, self.bias)
         if "_packed" not in self.__dict__:
-            self._packed = _Packed()
+            self._packed = PackedWeight()
         return product(x, self.weight, self.bias, self._packed)
 
 
@@ -348,7 +348,7 @@ class _FusedGroup:
         members = self.members
         self.weight = torch.cat([m.weight.detach() for m in members])
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        self._packed = _Packed()
+        self._packed = PackedWeight()
         self._stamps = self._current()
 
     def _fresh(self) -> bool:

@@ -59,12 +59,12 @@ def chi_square_pvalue(counts, probs):
     return float(chi2.sf(stat, df=len(obs) - 1))
 
 
-def sample_counts(target, draft, rule, temperature=1.0):
+def sample_counts(target, draft, rule, temperature=1.0, stop=0.0, max_new_tokens=3):
     V = target.vocab_size
     counts2, counts3 = torch.zeros(V), torch.zeros(V)
-    drafter = build_drafter(target, DrafterSpec("draft-model", draft=draft))
+    drafter = build_drafter(target, DrafterSpec("draft-model", draft=draft, draft_stop=stop))
     for seed in range(RUNS):
-        cfg = DecodeConfig(max_new_tokens=3, k=2, rule=rule, ignore_eos=True, sampling=SamplingConfig(temperature=temperature, seed=seed))
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=2, rule=rule, ignore_eos=True, sampling=SamplingConfig(temperature=temperature, seed=seed))
         out = [t.token_id for e in generate(target, PROMPT, cfg, drafter) if isinstance(e, Step) for t in e.emitted]
         counts2[out[1]] += 1
         counts3[out[2]] += 1
@@ -77,6 +77,23 @@ def test_speculative_sampling_has_the_target_distribution(models):
     c2, c3 = sample_counts(target, draft, AcceptRule.EXACT)
     assert chi_square_pvalue(c2, p2) > ALPHA
     assert chi_square_pvalue(c3, p3) > ALPHA
+
+
+def test_a_confidence_stop_keeps_the_target_distribution(models):
+    """Chains cut after a draft the drafter doubts (draft_stop): which drafts are proposed
+    depends only on the drafter's own draws, so the output distribution is still the target's.
+    The tiny draft is nearly flat (a drawn token's probability 0.011-0.026), so the stop sits at
+    its median: about half the chains are cut."""
+    target, draft = models
+    p2, p3 = exact_marginals(target, 1.0)
+    c2, c3 = sample_counts(target, draft, AcceptRule.EXACT, stop=0.017, max_new_tokens=4)  # (room for 2 drafts)
+    assert chi_square_pvalue(c2, p2) > ALPHA
+    assert chi_square_pvalue(c3, p3) > ALPHA
+    spec = DrafterSpec("draft-model", draft=draft, draft_stop=0.017)
+    cfg = lambda seed: DecodeConfig(max_new_tokens=4, k=2, ignore_eos=True, sampling=SamplingConfig(temperature=1.0, seed=seed))
+    lengths = [len(e.draft_probs) for seed in range(40) for e in generate(target, PROMPT, cfg(seed), build_drafter(target, spec))
+               if isinstance(e, Step) and e.index == 1]
+    assert 1 in lengths and 2 in lengths  # the stop cut some chains and not others
 
 
 def test_lossy_typical_acceptance_fails_the_same_test(models):

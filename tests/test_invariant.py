@@ -79,7 +79,7 @@ def test_invariant_linear_sends_one_row_through_the_multi_row_kernel():
 
 
 def test_a_packed_weight_gives_every_row_count_the_same_bits_and_follows_its_weight():
-    """The linears keep their weight prepacked (oneDNN's layout, engine.invariant._Packed): a row
+    """The linears keep their weight prepacked (oneDNN's layout, engine.invariant.PackedWeight): a row
     gets the same bits at every row count, the packed copy is remade when the weight is written
     in place or replaced, and a deep copy (a distilled draft copies layers) packs its own."""
     import copy

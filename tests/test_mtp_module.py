@@ -71,6 +71,30 @@ def test_module_greedy_output_is_plain_greedy(target, tmp_path, k):
     assert [e for e in events if isinstance(e, Step)][1].k == k
 
 
+def test_a_confidence_stop_shortens_chains_and_keeps_greedy_output(target, tmp_path):
+    folder = module_folder(target, tmp_path / "module")
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, ignore_eos=True)))
+    drafted = {}
+    for stop in (0.0, 0.6):
+        drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), draft_stop=stop))
+        events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
+        assert tokens_of(events) == plain
+        steps, done = [], 0
+        for e in events:  # steps that started with room for k = 4 (the length cuts the last ones)
+            if isinstance(e, Step):
+                if 0 < e.index and done + 5 <= 30:
+                    steps.append(e)
+                done += len(e.emitted)
+        drafted[stop] = [len(s.draft_probs) for s in steps]
+        for s in steps:  # every draft before the last of a chain passed the stop; a short chain ended on a doubt
+            assert all(p >= stop for p in s.draft_probs[:-1])
+            assert len(s.draft_probs) == 4 or s.draft_probs[-1] < stop
+    assert set(drafted[0.0]) == {4}
+    assert min(drafted[0.6]) < 4 and sum(drafted[0.6]) / len(drafted[0.6]) < 4 - 0.5  # the stop cut chains short
+    with pytest.raises(InputError, match="draft stop"):
+        DrafterSpec("mtp", draft_stop=1.0)
+
+
 def test_module_loads_in_the_targets_dtype_and_refuses_another_target(target, tmp_path, tiny_draft):
     folder = module_folder(target, tmp_path / "module")
     bf16 = load_model(target.spec, dtype="bfloat16")
@@ -235,7 +259,7 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "module"
-    args = ["mtp-module", "--model", tiny_target, "--prompts", "12", "--heldout", "4", "--spec-bench", "6",
+    args = ["mtp-module", "--model", tiny_target, "--prompts", "12", "--self-prompts", "3", "--heldout", "4", "--spec-bench", "6",
             "--max-new-tokens", "8", "--data-batch", "4", "--steps", "8", "--batch-positions", "256",
             "--depths", "3", "--out", str(out), "--dtype", "float32", "--quiet", "--answers-dir", str(tmp_path / "answers")]
     assert main(args) == 0
@@ -243,13 +267,15 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     card = json.loads((out / CARD_FILE).read_text())
     assert card["kind"] == KIND and card["layers"] == 1 and card["training"]["steps"] == 8
     assert set(card["evaluation"]) == {"heldout", "spec_bench"}
-    assert len(card["evaluation"]["spec_bench"]["top1"]) == 3 and card["data"]["train"]["sequences"] == 12
+    assert len(card["evaluation"]["spec_bench"]["top1"]) == 3 and card["data"]["train"]["sequences"] == 15
+    assert card["data"]["train"]["sources"]["magpie-self"] == 3 and "self_prompts" in card["data"]["prompts_file"]
     assert 0 < card["data"]["eval_spec_bench"]["sequences"] <= 6  # (prompts over 512 tokens are skipped)
     target = load_model(tiny_target)
     plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, ignore_eos=True)))
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(out)))
     assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
-    vocab = drafting_vocabulary(load_corpus(sorted((tmp_path / "cache").glob("train/corpus-*/train-*.pt"))), target.vocab_size)
+    shards = [p for split in ("train", "self") for p in sorted((tmp_path / "cache").glob(f"train/corpus-*/{split}-*.pt"))]
+    vocab = drafting_vocabulary(load_corpus(shards), target.vocab_size)
     assert card["draft_vocabulary"]["tokens"] == len(vocab)
     # a warm start continues from those weights (its evaluation before training is theirs after,
     # up to their float16 storage), and the card lists the run it continued
@@ -273,3 +299,52 @@ def test_a_time_budget_sets_the_number_of_steps(tiny_target, tmp_path, monkeypat
     card = train_module(target, seqs, {}, ModuleConfig(depths=2, steps=10**6, batch_positions=128, minutes=0.02),
                         tmp_path / "module", "test", {}, progress=False)
     assert 5 < card["training"]["steps_run"] < 10**4  # about 1.2 s of steps, not the million asked for
+
+
+# --- requests the target writes itself (Magpie) ----------------------------------------------
+
+def test_self_prompts_are_sampled_from_the_pre_query_template_and_resume(embedded, tmp_path, monkeypatch):
+    from engine.train import self_prompts as sp
+
+    head = embedded.tokenizer.decode(sp.pre_query(embedded))
+    assert head.endswith("<|im_start|>user\n") and "<|im_start|>assistant" not in head  # nothing after the user's turn opens
+    path = tmp_path / "self.jsonl"
+    cfg = sp.SelfPromptConfig(count=2, batch_size=4, max_new_tokens=48, min_words=3)
+    info = sp.build_self_prompts(embedded, cfg, path, progress=False)
+    rows = sp.read_self_prompts(path)
+    assert len(rows) == info["kept"] >= 2 and all(r["source"] == sp.SOURCE for r in rows)
+    assert len({r["text"].lower() for r in rows}) == len(rows) and all(r["text"] == r["text"].strip() for r in rows)
+    monkeypatch.setattr(sp, "sample_batch", lambda *a: (_ for _ in ()).throw(AssertionError("sampled again")))
+    assert sp.build_self_prompts(embedded, cfg, path, progress=False)["kept"] == len(rows)  # enough: nothing sampled
+    monkeypatch.undo()
+    more = sp.build_self_prompts(embedded, sp.SelfPromptConfig(**{**cfg.__dict__, "count": len(rows) + 1}), path,
+                                 progress=False)
+    after = sp.read_self_prompts(path)
+    assert after[: len(rows)] == rows and more["kept"] == len(after) > len(rows)
+    assert min(r["batch"] for r in after[len(rows):]) > max(r["batch"] for r in rows)  # later batches, new seeds
+    with pytest.raises(InputError, match="kept after 1 batches"):
+        sp.build_self_prompts(embedded, sp.SelfPromptConfig(**{**cfg.__dict__, "count": 100, "max_batches": 1}), path,
+                              progress=False)
+
+
+def test_self_prompts_drop_unfinished_short_duplicate_and_spec_bench_text(tiny_target):
+    from engine.bench.prompts import SPEC_BENCH_FILE
+    from engine.train import self_prompts as sp
+
+    cfg = sp.SelfPromptConfig()
+    grams, train_texts = sp._banned()
+    question = json.loads(SPEC_BENCH_FILE.read_text().splitlines()[0])["turns"][0]
+    ok = "Could you explain how the tides are caused by the moon and the sun?"
+    assert sp.drop_reason(ok, True, cfg, set(), grams) is None
+    assert sp.drop_reason(ok, False, cfg, set(), grams) == "unfinished"
+    assert sp.drop_reason("Tell me.", True, cfg, set(), grams) == "length"
+    assert sp.drop_reason(ok, True, cfg, {ok.lower()}, grams) == "duplicate"
+    assert sp.drop_reason("Please answer this: " + question, True, cfg, set(), grams) == "spec-bench overlap"
+    with pytest.raises(InputError, match="chat template"):
+        sp.pre_query(load_model(tiny_target))  # a model without a chat template has no pre-query text
+    # the shipped file obeys the same rules
+    rows = sp.read_self_prompts()
+    assert len(rows) >= 500 and len({r["text"].lower() for r in rows}) == len(rows)
+    assert not any(sp.ngrams(r["text"]) & grams for r in rows)
+    assert not any(r["text"].strip().lower() in train_texts for r in rows)
+    assert [key for key, _, _ in read_split("self")][:2] == ["self/0", "self/1"]

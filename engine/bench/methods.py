@@ -5,7 +5,8 @@ variant setting after a colon, so variants of a drafter run side by side in one 
 "mtp:tree=small" (MTP tree drafting with that shape; plain "mtp" follows --tree) and
 "draft-model:vocab=full" / "mtp:vocab=full" (score every token instead of the shipped drafting
 vocabulary), "mtp:kind=heads" / "mtp:kind=module" (Medusa-style heads or the DeepSeek-style MTP
-module, where "mtp" takes the module for a chain when one is shipped). Two variants apply to every method and change the target, not the drafter:
+module, where "mtp" takes the module for a chain when one is shipped), "mtp:stop=0.3" (also
+draft-model, early-exit: a chain ends after a draft whose own probability is below 0.3). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
 "baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
 batch-invariant ones, engine.invariant). Methods are checked before any timing starts: an unregistered drafter, an unknown
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.drafters import DrafterSpec, build_drafter, drafter_names
+from engine.drafters.base import check_stop
 from engine.drafters.mtp import MTP_KINDS
 from engine.drafters.vocab import check_choice
 from engine.errors import InputError
@@ -45,7 +47,8 @@ class DrafterOptions:
         return replace(spec, **variant)
 
 
-VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",)}  # setting -> the drafters that read it
+VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
+            "stop": ("mtp", "draft-model", "early-exit")}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 
 
@@ -71,6 +74,8 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
     (('mtp', {'tree': 'small'}), ('mtp', {'tree': None}), ('prompt-lookup', {}))
     >>> split_method("draft-model:vocab=full"), split_method("baseline:dtype=float32")
     (('draft-model', {'draft_vocab': 'full'}), ('baseline', {}))
+    >>> split_method("mtp:stop=0.3")
+    ('mtp', {'draft_stop': 0.3})
     """
     name, key, value = _variant(method)
     if key == "tree":
@@ -81,6 +86,11 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
         if value not in MTP_KINDS:
             raise InputError(f"method {method!r}: kind must be one of {', '.join(MTP_KINDS)}")
         return name, {"mtp_kind": value}
+    if key == "stop":
+        try:
+            return name, {"draft_stop": check_stop(float(value))}
+        except ValueError:
+            raise InputError(f"method {method!r}: stop must be a probability in [0, 1)") from None
     return name, {}
 
 

@@ -77,6 +77,22 @@ class DrafterSpec:
     # (chains; trees take the shipped heads first), else trained Medusa-style heads. "module" or
     # "heads" asks for one kind.
     mtp_kind: str = "auto"
+    # draft-model, early-exit and mtp chains (module or native layers): end the chain after a draft whose own
+    # probability (the draft's softmax; with sampling, of the token it drew) is below this; 0:
+    # always draft k. A confidence cut-off as transformers' assistant_confidence_threshold and
+    # EAGLE-2's dynamic drafting use: a draft the drafter doubts is seldom accepted, and the ones
+    # after it even less, so stopping saves their drafting time. Exact: which drafts are proposed
+    # never changes what the acceptance rule emits.
+    draft_stop: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_stop(self.draft_stop)
+
+
+def check_stop(value: float) -> float:
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise InputError(f"draft stop must be a probability in [0, 1) (got {value!r})")
+    return float(value)
 
 
 DrafterFactory = Callable[[LoadedModel, DrafterSpec], Drafter]

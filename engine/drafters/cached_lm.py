@@ -52,9 +52,11 @@ class CachedLM:
         return logits
 
     def draft(
-        self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator
+        self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator, stop: float = 0.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k tokens drafted autoregressively: ids (k,) and their draft_probs (k, V)."""
+        """Up to k tokens drafted autoregressively: ids (k',) and their draft_probs (k', V). With
+        stop > 0 the chain ends after a draft whose own probability is below it (see
+        engine.drafters.base.DrafterSpec.draft_stop)."""
         ids: list[int] = []
         probs = []
         for _ in range(k):
@@ -62,6 +64,8 @@ class CachedLM:
             p = probs_from_logits(logits, sampling)
             ids.append(choose(p, logits, sampling, float(torch.rand((), generator=rng))))
             probs.append(p)
+            if float(p[ids[-1]]) < stop:
+                break
         if not ids:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0, self.vocab)
         return torch.tensor(ids), torch.stack(probs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters.base import DraftProposal, DrafterSpec, register
+from engine.drafters.base import DraftProposal, DrafterSpec, check_stop, register
 from engine.drafters.cached_lm import CachedLM
 from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_vocabulary
 from engine.errors import InputError
@@ -25,15 +25,17 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 class DraftModelDrafter:
     name = "draft-model"
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel, vocabulary: torch.Tensor | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel, vocabulary: torch.Tensor | None = None,
+                 stop: float = 0.0):
         check_same_vocabulary(target, draft)
+        self.stop = stop  # DrafterSpec.draft_stop
         self.draft_model = draft
         scorer = None if vocabulary is None else DraftVocabulary(
             vocabulary, draft.model.get_output_embeddings(), target.vocab_size)
         self.lm = CachedLM(draft.model, draft.device, target.vocab_size, scorer)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
-        ids, probs = self.lm.draft(context, k, sampling, rng)
+        ids, probs = self.lm.draft(context, k, sampling, rng, self.stop)
         return DraftProposal(ids, probs)
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
@@ -48,4 +50,4 @@ def _build(target: LoadedModel, spec: DrafterSpec) -> DraftModelDrafter:
     vocabulary = None
     if check_choice(spec.draft_vocab) == TRAINED and name.startswith(DISTILLED_PREFIX):
         vocabulary = load_vocabulary(resolve_weights(name[len(DISTILLED_PREFIX):]))
-    return DraftModelDrafter(target, draft, vocabulary)
+    return DraftModelDrafter(target, draft, vocabulary, check_stop(spec.draft_stop))

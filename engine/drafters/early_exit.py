@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from engine.drafters.base import DraftProposal, DrafterSpec, register
+from engine.drafters.base import DraftProposal, DrafterSpec, check_stop, register
 from engine.drafters.cached_lm import CachedLM
 from engine.errors import InputError
 from engine.models import LoadedModel
@@ -40,15 +40,16 @@ def shallow_view(model: torch.nn.Module, layers: int) -> torch.nn.Module:
 class EarlyExitDrafter:
     name = "early-exit"
 
-    def __init__(self, target: LoadedModel, exit_layer: int):
+    def __init__(self, target: LoadedModel, exit_layer: int, stop: float = 0.0):
         n = target.model.config.num_hidden_layers
         if not 1 <= exit_layer <= n - 1:
             raise InputError(f"exit layer must be in 1..{n - 1} for this model (got {exit_layer})")
         self.exit_layer = exit_layer
+        self.stop = stop  # DrafterSpec.draft_stop
         self.lm = CachedLM(shallow_view(target.model, exit_layer), target.device, target.vocab_size)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
-        ids, probs = self.lm.draft(context, k, sampling, rng)
+        ids, probs = self.lm.draft(context, k, sampling, rng, self.stop)
         return DraftProposal(ids, probs, {"exit_layer": self.exit_layer})
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
@@ -58,4 +59,4 @@ class EarlyExitDrafter:
 @register("early-exit")
 def _build(target: LoadedModel, spec: DrafterSpec) -> EarlyExitDrafter:
     layers = spec.exit_layer or max(1, target.model.config.num_hidden_layers // 4)
-    return EarlyExitDrafter(target, layers)
+    return EarlyExitDrafter(target, layers, check_stop(spec.draft_stop))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.drafters.base import DraftProposal, DrafterSpec, register
+from engine.drafters.base import DraftProposal, DrafterSpec, check_stop, register
 from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_vocabulary
 from engine.errors import InputError
 from engine.models import LoadedModel
@@ -84,9 +84,10 @@ class NativeMTPDrafter:
     name = "mtp"
 
     def __init__(self, target: LoadedModel, module: torch.nn.Module | None = None,
-                 vocabulary: torch.Tensor | None = None, tree: TreeShape | None = None):
+                 vocabulary: torch.Tensor | None = None, tree: TreeShape | None = None, stop: float = 0.0):
         self.layers = NativeMTP(target, module, vocabulary)
         self.tree = tree
+        self.stop = stop  # DrafterSpec.draft_stop
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         self.layers.observe(context, accepted, hidden)
@@ -95,7 +96,7 @@ class NativeMTPDrafter:
         if self.tree is not None and sampling.greedy:  # (trees are verified greedily: with sampling, a chain)
             ids, probs = self.layers.draft_tree(context, self.tree.paths)
             return DraftProposal(ids, probs, parents=self.tree.parents, ranks=self.tree.paths)
-        ids, probs = self.layers.draft(context, k, sampling, rng)
+        ids, probs = self.layers.draft(context, k, sampling, rng, self.stop)
         return DraftProposal(ids, probs)
 
 
@@ -132,11 +133,11 @@ def _build(target: LoadedModel, spec: DrafterSpec):
         raise InputError(f"mtp kind must be one of {', '.join(MTP_KINDS)} (got {spec.mtp_kind!r})")
     tree = tree_shape(spec.tree) if spec.tree else None
     if has_mtp_layers(target) and spec.mtp_kind == "auto":
-        return NativeMTPDrafter(target, tree=tree)
+        return NativeMTPDrafter(target, tree=tree, stop=check_stop(spec.draft_stop))
     folder, kind = _weights_folder(target, spec)
     vocabulary = load_vocabulary(folder) if check_choice(spec.draft_vocab) == TRAINED else None
     if kind == MODULE_KIND:
         module, _ = load_module(folder, target)
-        return NativeMTPDrafter(target, module, vocabulary, tree)
+        return NativeMTPDrafter(target, module, vocabulary, tree, check_stop(spec.draft_stop))
     heads, _ = load_heads(folder, target)
     return MTPHeadsDrafter(target, heads, tree, vocabulary)

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.errors import InputError
+from engine.invariant import PackedWeight, product
 
 VOCAB_FILE = "draft_vocabulary.safetensors"
 FULL, TRAINED = "full", "trained"  # DrafterSpec.draft_vocab: every token, or the shipped subset
@@ -41,13 +42,15 @@ class DraftVocabulary:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[self.ids]
         self.vocab_size = vocab_size
+        self._packed = PackedWeight()  # 16-bit CPU weights: kept in oneDNN's layout instead of reordered per call
 
     def __len__(self) -> int:
         return int(self.ids.numel())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> float32 logits (..., V), -inf outside the subset."""
-        sub = torch.nn.functional.linear(hidden, self.weight, self.bias).float()  # (..., S)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        sub = product(rows, self.weight, self.bias, self._packed).float().reshape(*hidden.shape[:-1], -1)  # (..., S)
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, sub)
 

@@ -33,7 +33,7 @@ from engine.models import LoadedModel
 from engine.mtp.weights import load_weights, read_card_for
 
 KIND = "mtp-module"
-DRAFT_ATTENTION = "sdpa"  # drafting need not be batch-invariant: the target's verification decides
+DRAFT_ATTENTION = "sdpa"  # training's attention; load_module gives a batch-invariant target's module its kernels
 
 
 class _Main:
@@ -90,4 +90,11 @@ def load_module(folder: Path, target: LoadedModel) -> tuple[torch.nn.Module, dic
     state = {k.removeprefix("layers."): v for k, v in load_weights(folder, "cpu", torch.float32).items()}
     module.layers.load_state_dict(state, strict=True)
     module.layers.to(target.device, target.dtype).requires_grad_(False)
+    if target.batch_invariant:
+        # the target's fast CPU kernels (prepacked products, blocked attention): drafting need
+        # not be batch-invariant (the target's verification decides), but these are the faster
+        # kernels here: SDPA over 1K cached keys costs 5x the invariant attention for one query
+        from engine.invariant import make_invariant
+
+        make_invariant(module)
     return module.eval(), card

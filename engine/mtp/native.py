@@ -74,9 +74,12 @@ class NativeMTP:
 
     @torch.inference_mode()
     def draft(
-        self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator
+        self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator, stop: float = 0.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k tokens drafted depth by depth: ids (k,) and their draft_probs (k, V)."""
+        """Up to k tokens drafted depth by depth: ids (k',) and their draft_probs (k', V). With
+        stop > 0 the chain ends after a draft whose own probability is below it (each depth
+        finishes its bookkeeping first, so a shorter chain leaves the caches as a full one would
+        up to its depth)."""
         n = len(context) - 2  # the last position with a target hidden state (it chose context[-1])
         drafts: list[int] = []
         probs = []
@@ -99,6 +102,8 @@ class NativeMTP:
             self.states[d] = torch.cat([self.states[d], out[:settled]])
             self.caches[d - 1].crop(settled - out.shape[0])  # drop the transient entries
             below = torch.cat([self.states[d], out[settled:]])
+            if float(p[drafts[-1]]) < stop:
+                break
         return torch.tensor(drafts, dtype=torch.long), torch.stack(probs)
 
     def _settle(self, context: list[int], depth: int) -> None:
