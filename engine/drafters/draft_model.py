@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters.base import DraftProposal, DrafterSpec, check_stop, register
+from engine.drafters.base import DraftProposal, DrafterSpec, register
 from engine.drafters.cached_lm import CachedLM
 from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_vocabulary
 from engine.errors import InputError
@@ -50,4 +50,4 @@ def _build(target: LoadedModel, spec: DrafterSpec) -> DraftModelDrafter:
     vocabulary = None
     if check_choice(spec.draft_vocab) == TRAINED and name.startswith(DISTILLED_PREFIX):
         vocabulary = load_vocabulary(resolve_weights(name[len(DISTILLED_PREFIX):]))
-    return DraftModelDrafter(target, draft, vocabulary, check_stop(spec.draft_stop))
+    return DraftModelDrafter(target, draft, vocabulary, spec.draft_stop)

@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from engine.drafters.base import DraftProposal, DrafterSpec, check_stop, register
+from engine.drafters.base import DraftProposal, DrafterSpec, register
 from engine.drafters.cached_lm import CachedLM
 from engine.errors import InputError
 from engine.models import LoadedModel
@@ -59,4 +59,4 @@ class EarlyExitDrafter:
 @register("early-exit")
 def _build(target: LoadedModel, spec: DrafterSpec) -> EarlyExitDrafter:
     layers = spec.exit_layer or max(1, target.model.config.num_hidden_layers // 4)
-    return EarlyExitDrafter(target, layers, check_stop(spec.draft_stop))
+    return EarlyExitDrafter(target, layers, spec.draft_stop)

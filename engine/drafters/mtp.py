@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.drafters.base import DraftProposal, DrafterSpec, check_stop, register
+from engine.drafters.base import DraftProposal, DrafterSpec, register
 from engine.drafters.vocab import TRAINED, DraftVocabulary, check_choice, load_vocabulary
 from engine.errors import InputError
 from engine.models import LoadedModel
@@ -133,11 +133,11 @@ def _build(target: LoadedModel, spec: DrafterSpec):
         raise InputError(f"mtp kind must be one of {', '.join(MTP_KINDS)} (got {spec.mtp_kind!r})")
     tree = tree_shape(spec.tree) if spec.tree else None
     if has_mtp_layers(target) and spec.mtp_kind == "auto":
-        return NativeMTPDrafter(target, tree=tree, stop=check_stop(spec.draft_stop))
+        return NativeMTPDrafter(target, tree=tree, stop=spec.draft_stop)
     folder, kind = _weights_folder(target, spec)
     vocabulary = load_vocabulary(folder) if check_choice(spec.draft_vocab) == TRAINED else None
     if kind == MODULE_KIND:
         module, _ = load_module(folder, target)
-        return NativeMTPDrafter(target, module, vocabulary, tree, check_stop(spec.draft_stop))
+        return NativeMTPDrafter(target, module, vocabulary, tree, spec.draft_stop)
     heads, _ = load_heads(folder, target)
     return MTPHeadsDrafter(target, heads, tree, vocabulary)
