@@ -5,7 +5,9 @@ Tiny random models carry the exactness tests (greedy output identical to plain d
 sampling distribution exact for chain drafting); the embedded model checks the shipped weights.
 """
 
+import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -21,7 +23,8 @@ from engine.drafters.vocab import DraftVocabulary, load_vocabulary
 from engine.errors import InputError
 from engine.models import load_model, presets
 from engine.mtp.heads import MTPHeads
-from engine.mtp.tree import ancestor_mask, greedy_accept_tree, tree_inputs, tree_shape, tree_shapes
+from engine.mtp.tree import (DynamicTree, TreeShape, ancestor_mask, best_paths, greedy_accept_tree, order_paths,
+                             parents_of, tree_inputs, tree_shape, tree_shapes)
 from engine.mtp.weights import CARD_FILE, WEIGHTS_DIR, WEIGHTS_FILE, find_weights
 from engine.sampling import SamplingConfig
 from engine.trace import Step, trace_from_json, trace_to_json
@@ -76,11 +79,31 @@ def test_tree_mask_positions_and_acceptance_on_a_table():
 
 def test_shipped_tree_shapes_are_valid():
     shapes = tree_shapes()
-    assert shapes and all(s.paths[0] == (0,) and 1 <= s.depth <= 4 for s in shapes.values())
-    for s in shapes.values():
+    static = [s for s in shapes.values() if isinstance(s, TreeShape)]
+    assert static and all(s.paths[0] == (0,) and 1 <= s.depth <= 4 for s in static)
+    for s in static:
         assert all(p == -1 or p < i for i, p in enumerate(s.parents))
+    dynamic = {s.nodes: s for s in shapes.values() if isinstance(s, DynamicTree)}
+    # a dynamic tree beside each static size it is compared with (same verification size)
+    assert {len(shapes["small"].paths), len(shapes["medium"].paths)} <= set(dynamic)
     with pytest.raises(InputError, match="unknown tree"):
         tree_shape("no-such-tree")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_paths_are_the_likeliest_paths_of_all(seed):
+    """best_paths against brute force: of every path through 3 depths x 4 ranks, the n with the
+    highest product of probabilities; listed parents first."""
+    gen = torch.Generator().manual_seed(seed)
+    ranked = [sorted(torch.rand(4, generator=gen).tolist(), reverse=True) for _ in range(3)]
+    every = [p for d in (1, 2, 3) for p in itertools.product(range(4), repeat=d)]
+    chance = {p: math.prod(ranked[d][r] for d, r in enumerate(p)) for p in every}
+    for n in (1, 5, 16, 84):
+        got = best_paths(ranked, n)
+        assert len(got) == n and sorted(chance[p] for p in got) == sorted(chance.values())[-n:]
+        assert parents_of(order_paths(got))  # a tree: every parent listed
+    with pytest.raises(ValueError, match="after its parent"):
+        parents_of(((0, 0), (0,)))
 
 
 def test_proposal_within_prunes_a_tree_by_depth():
@@ -155,7 +178,7 @@ def test_greedy_tree_verification_is_plain_greedy(target, k):
 
 # --- MTP heads drafter --------------------------------------------------------------------
 
-@pytest.mark.parametrize("tree", [None, "small", "medium"])
+@pytest.mark.parametrize("tree", [None, "small", "medium", "dynamic-8"])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_mtp_heads_greedy_output_is_plain_greedy(target, tree, k):
     drafter = MTPHeadsDrafter(target, random_heads(), tree_shape(tree) if tree else None)
@@ -171,6 +194,16 @@ def test_mtp_heads_greedy_output_is_plain_greedy(target, tree, k):
         else:
             assert s.head_top[0][0].token_id == s.draft_token_ids[0] and not s.draft_parents
     assert tree or drafting[0].k == min(k, 4)
+    if tree == "dynamic-8":  # this step's likeliest paths under the heads' recorded probabilities
+        for s in drafting:
+            def chance(r):
+                return math.prod(s.head_top[d][i].prob for d, i in enumerate(r))
+            chosen = set(s.draft_ranks)
+            assert len(chosen) == len(s.draft_ranks) == min(8, sum(4 ** d for d in range(1, min(k, 4) + 1)))
+            # the candidates left out that could have come next: a chosen node's next sibling or first child
+            left = ({r[:-1] + (r[-1] + 1,) for r in chosen if r[-1] + 1 < 4}
+                    | {r + (0,) for r in chosen if len(r) < len(s.head_top)}) - chosen
+            assert min(map(chance, chosen)) >= max(map(chance, left), default=0.0) - 1e-6
 
 
 def test_identity_heads_repeat_the_last_token(target):
@@ -321,12 +354,13 @@ def test_native_mtp_drafts_equal_a_cache_free_recomputation(native_target):
     assert mine == drafts
 
 
-@pytest.mark.parametrize("tree", ["small", "medium"])
+@pytest.mark.parametrize("tree", ["small", "medium", "dynamic-16"])
 def test_native_mtp_tree_greedy_output_is_plain_greedy(native_target, tree):
     drafter = build_drafter(native_target, DrafterSpec("mtp", tree=tree))
     events = list(generate(native_target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
     assert tokens_of(events) == baseline(native_target)
-    assert len(steps_of(events)[0].draft_parents) == len(tree_shape(tree).paths)
+    shape = tree_shape(tree)
+    assert len(steps_of(events)[0].draft_parents) == (shape.nodes if tree.startswith("dynamic") else len(shape.paths))
 
 
 def test_mtp_without_heads_or_layers_is_a_clear_error(target):

@@ -4,6 +4,8 @@ trainer (engine/train/module.py), and the mtp drafter's choice between module an
 Tiny random models carry the exactness and trainer tests; the evaluation's acceptance length is
 checked against the engine's own decoding with the same module."""
 
+import functools
+import itertools
 import json
 
 import pytest
@@ -18,7 +20,7 @@ from engine.mtp.weights import CARD_FILE, save_weights
 from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
 from engine.drafters.vocab import load_vocabulary
 from engine.train.module import ModuleConfig, drafting_vocabulary, evaluate, train_module
-from engine.mtp.tree import tree_shape
+from engine.mtp.tree import DynamicTree, order_paths, tree_shape
 from engine.sampling import SamplingConfig
 from engine.trace import Step
 from transformers import DynamicCache
@@ -35,13 +37,16 @@ def target(tiny_target):
     return load_model(tiny_target)
 
 
-def module_folder(target, folder, seed=0, scale=0.3):
-    """A module with random (not identity-like) weights saved as trained weights would be."""
+def module_folder(target, folder, seed=0, scale=0.3, sharpen=1.0):
+    """A module with random (not identity-like) weights saved as trained weights would be;
+    sharpen > 1 scales its output norm, so its distributions are peaked, not near uniform."""
     module = build_module(target, 1)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in module.layers.parameters():
             p.add_(torch.randn_like(p) * scale)
+        for layer in module.layers:
+            layer.post_norm.weight.mul_(sharpen)
     card = {"kind": KIND, "target": target.spec, "hidden_size": 32, "vocab_size": target.vocab_size, "layers": 1}
     save_weights(folder, trained_state(module), card)
     return folder
@@ -117,7 +122,7 @@ def test_mtp_kind_chooses_module_or_heads(target, tmp_path):
         build_drafter(target, DrafterSpec("mtp", mtp_kind="module"))
 
 
-@pytest.mark.parametrize("tree", ["small", "large"])
+@pytest.mark.parametrize("tree", ["small", "large", "dynamic-8", "dynamic-16"])
 def test_module_tree_greedy_output_is_plain_greedy(target, tmp_path, tree):
     folder = module_folder(target, tmp_path / "module")
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), tree=tree))
@@ -125,7 +130,9 @@ def test_module_tree_greedy_output_is_plain_greedy(target, tmp_path, tree):
     events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
     assert tokens_of(events) == plain
     steps = [e for e in events if isinstance(e, Step)][1:]
-    assert len(steps[0].draft_parents) == len(tree_shape(tree).paths)
+    shape = tree_shape(tree)
+    assert len(steps[0].draft_parents) == (shape.nodes if isinstance(shape, DynamicTree) else len(shape.paths))
+    assert all(max(len(r) for r in s.draft_ranks) <= 4 for s in steps if s.k)
 
 
 @torch.inference_mode()
@@ -154,6 +161,47 @@ def test_each_tree_node_is_what_its_path_would_draft_from_scratch(tiny_target, t
     for path, token in zip(proposal.ranks, proposal.token_ids.tolist()):
         tokens = [int(proposal.token_ids[proposal.ranks.index(path[:j + 1])]) for j in range(len(path) - 1)]
         assert int(torch.topk(from_scratch(tokens), path[-1] + 1).indices[-1]) == token, path
+
+
+@torch.inference_mode()
+def test_a_dynamic_tree_is_the_likeliest_paths_recomputed_from_scratch(tiny_target, tmp_path):
+    """With a beam as wide as the tree, the dynamic tree is exactly the `nodes` paths (3 deep,
+    6 ranks per node) whose product of draft probabilities is highest, each probability
+    recomputed without any cache from the module's distribution after that path's tokens."""
+    target = load_model(tiny_target, dtype="float32")
+    folder = module_folder(target, tmp_path / "module", scale=1.0, sharpen=3.0)
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), tree="dynamic-8", draft_vocab="full"))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=12, k=3, ignore_eos=True), drafter))
+    context = PROMPT + tokens_of(events)
+    drafter.observe(context, 0, torch.zeros(0, 32))
+    drafter.tree = DynamicTree("test", nodes=6, beam=6)
+    proposal = drafter.propose(context, 3, SamplingConfig(), torch.Generator())
+    mtp = drafter.layers.mtp
+    below0 = target.model(input_ids=torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+    n = len(context) - 2
+
+    @functools.cache
+    def dist(path_tokens):
+        seq, below = context + list(path_tokens), below0
+        for d in range(1, len(path_tokens) + 2):
+            ids = torch.tensor([[seq[i + d] for i in range(n + 1)]])
+            below = mtp.forward_layer(0, below[None], torch.arange(d, n + d + 1)[None], DynamicCache(), input_ids=ids)[0]
+        return torch.softmax(mtp._project_to_logits(below[-1:][None])[0, -1].float(), -1)
+
+    chance, token_of = {}, {}
+    for depth in (1, 2, 3):
+        for path in itertools.product(range(6), repeat=depth):
+            tokens = tuple(token_of[path[:j + 1]] for j in range(depth - 1))
+            top = torch.topk(dist(tokens), 6)
+            token_of[path] = int(top.indices[path[-1]])
+            chance[path] = chance.get(path[:-1], 1.0) * float(top.values[path[-1]])
+    assert proposal.ranks == order_paths(proposal.ranks) and len(proposal.ranks) == 6
+    assert max(map(len, proposal.ranks)) == 3 and len({r[0] for r in proposal.ranks}) > 1  # deep and branching
+    assert [token_of[r] for r in proposal.ranks] == proposal.token_ids.tolist()
+    chosen = set(proposal.ranks)
+    weakest = min(chance[r] for r in chosen)
+    assert all(c <= weakest * (1 + 1e-4) for r, c in chance.items() if r not in chosen)
+    assert proposal.parents == tuple(proposal.ranks.index(r[:-1]) if len(r) > 1 else -1 for r in proposal.ranks)
 
 
 # --- the corpus -------------------------------------------------------------------------------

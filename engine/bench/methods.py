@@ -1,8 +1,9 @@
 """Which methods a benchmark or gate runs, and the drafter options each one reads.
 
-A method is "baseline" (plain decoding) or a registered drafter's name, optionally with one
-variant setting after a colon, so variants of a drafter run side by side in one run:
-"mtp:tree=small" (MTP tree drafting with that shape; plain "mtp" follows --tree) and
+A method is "baseline" (plain decoding) or a registered drafter's name, optionally with variant
+settings, each after a colon ("mtp:kind=module:tree=dynamic-8"), so variants of a drafter run
+side by side in one run:
+"mtp:tree=small" (MTP tree drafting with that shape or dynamic tree; plain "mtp" follows --tree) and
 "draft-model:vocab=full" / "mtp:vocab=full" (score every token instead of the shipped drafting
 vocabulary), "mtp:kind=heads" / "mtp:kind=module" (Medusa-style heads or the DeepSeek-style MTP
 module, where "mtp" takes the module for a chain when one is shipped), "mtp:stop=0.3" (also
@@ -52,56 +53,65 @@ VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 
 
-def _variant(method: str) -> tuple[str, str, str]:
-    """(drafter name, variant key, value); key and value are empty without a variant."""
-    name, _, variant = method.partition(":")
-    if not variant:
-        return name, "", ""
-    key, _, value = variant.partition("=")
-    if key in TARGET_VARIANTS and value in TARGET_VARIANTS[key]:
-        return name, key, value
-    if key not in VARIANTS or not value or name not in VARIANTS[key]:
-        settings = "; ".join([f"{k}= for {', '.join(v)}" for k, v in VARIANTS.items()]
-                             + [f"{k}={'|'.join(v)} for any method" for k, v in TARGET_VARIANTS.items()])
-        raise InputError(f"method {method!r}: unknown variant {variant!r} (variants: {settings})")
-    return name, key, value
+def _variants(method: str) -> tuple[str, list[tuple[str, str]]]:
+    """(drafter name, [(variant key, value), ...]): settings after the name, each after a colon."""
+    name, *parts = method.split(":")
+    pairs = []
+    for variant in parts:
+        key, _, value = variant.partition("=")
+        if not (key in TARGET_VARIANTS and value in TARGET_VARIANTS[key]) and (
+                key not in VARIANTS or not value or name not in VARIANTS[key]):
+            settings = "; ".join([f"{k}= for {', '.join(v)}" for k, v in VARIANTS.items()]
+                                 + [f"{k}={'|'.join(v)} for any method" for k, v in TARGET_VARIANTS.items()])
+            raise InputError(f"method {method!r}: unknown variant {variant!r} (variants: {settings})")
+        if key in dict(pairs):
+            raise InputError(f"method {method!r} sets {key} twice")
+        pairs.append((key, value))
+    return name, pairs
+
+
+def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]:
+    """One drafter variant as DrafterSpec fields."""
+    if key == "tree":
+        return {"tree": None if value == "chain" else value}
+    if key == "vocab":
+        return {"draft_vocab": check_choice(value)}
+    if key == "kind":
+        if value not in MTP_KINDS:
+            raise InputError(f"method {method!r}: kind must be one of {', '.join(MTP_KINDS)}")
+        return {"mtp_kind": value}
+    if key == "stop":
+        try:
+            return {"draft_stop": check_stop(float(value))}
+        except ValueError:
+            raise InputError(f"method {method!r}: stop must be a probability in [0, 1)") from None
+    return {}  # a target variant (target_settings)
 
 
 def split_method(method: str) -> tuple[str, dict[str, str | None]]:
-    """A method's drafter name and its variant as DrafterSpec fields.
+    """A method's drafter name and its variants as DrafterSpec fields.
 
     >>> split_method("mtp:tree=small"), split_method("mtp:tree=chain"), split_method("prompt-lookup")
     (('mtp', {'tree': 'small'}), ('mtp', {'tree': None}), ('prompt-lookup', {}))
     >>> split_method("draft-model:vocab=full"), split_method("baseline:dtype=float32")
     (('draft-model', {'draft_vocab': 'full'}), ('baseline', {}))
-    >>> split_method("mtp:stop=0.3")
-    ('mtp', {'draft_stop': 0.3})
+    >>> split_method("mtp:stop=0.3"), split_method("mtp:kind=module:tree=dynamic-8")
+    (('mtp', {'draft_stop': 0.3}), ('mtp', {'mtp_kind': 'module', 'tree': 'dynamic-8'}))
     """
-    name, key, value = _variant(method)
-    if key == "tree":
-        return name, {"tree": None if value == "chain" else value}
-    if key == "vocab":
-        return name, {"draft_vocab": check_choice(value)}
-    if key == "kind":
-        if value not in MTP_KINDS:
-            raise InputError(f"method {method!r}: kind must be one of {', '.join(MTP_KINDS)}")
-        return name, {"mtp_kind": value}
-    if key == "stop":
-        try:
-            return name, {"draft_stop": check_stop(float(value))}
-        except ValueError:
-            raise InputError(f"method {method!r}: stop must be a probability in [0, 1)") from None
-    return name, {}
+    name, pairs = _variants(method)
+    fields: dict = {}
+    for key, value in pairs:
+        fields |= _setting(method, key, value)
+    return name, fields
 
 
 def target_settings(method: str) -> dict[str, str]:
-    """The method's target variant as load_model arguments (dtype, kernels).
+    """The method's target variants as load_model arguments (dtype, kernels).
 
     >>> target_settings("baseline:dtype=float32"), target_settings("mtp:kernels=stock"), target_settings("mtp")
     ({'dtype': 'float32'}, {'kernels': 'stock'}, {})
     """
-    _, key, value = _variant(method)
-    return {key: value} if key in TARGET_VARIANTS else {}
+    return {key: value for key, value in _variants(method)[1] if key in TARGET_VARIANTS}
 
 
 def base_name(method: str) -> str:

@@ -7,13 +7,14 @@ first that exists):
 - a DeepSeek-style MTP module trained here (engine/mtp/module.py, kind "module"): each depth
   reads the previous depth's hidden state AND the token just drafted, through the same driver.
   A tree (--tree SHAPE) is one rollout per branch: each node is ranked in the distribution the
-  module gives after its own path's tokens (EAGLE-style), all nodes of a depth in one batch;
+  module gives after its own path's tokens (EAGLE-style), all nodes of a depth in one batch; a
+  dynamic tree (--tree dynamic-8) is grown at every step from those distributions (EAGLE-2);
 - trained Medusa-style heads (engine/mtp/heads.py, kind "heads"): every head reads the same
   hidden state, so one pass proposes all depths, none knowing the others' drafts.
   Chain drafting takes each head's choice (its argmax, or a draw from its distribution, which is
   then the draft_probs: the standard rule keeps sampling exact even though the heads ignore each
   other's drafts). Tree drafting (--tree SHAPE) proposes the heads' top-k combinations named by
-  the shape.
+  the shape; a dynamic tree, the combinations likeliest under this step's head probabilities.
 Trees are verified in one target forward, greedily only, so with sampling every kind drafts the
 chain instead (exact, never lossy).
 """
@@ -33,7 +34,7 @@ from engine.mtp.heads import KIND, MTPHeads, load_heads
 from engine.mtp.module import KIND as MODULE_KIND
 from engine.mtp.module import load_module
 from engine.mtp.native import NativeMTP, has_mtp_layers
-from engine.mtp.tree import TreeShape, tree_shape
+from engine.mtp.tree import DynamicTree, TreeShape, best_paths, order_paths, parents_of, rank_width, tree_shape
 from engine.mtp.weights import CARD_FILE, find_weights, resolve_weights
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 from engine.trace import TOP_N
@@ -42,10 +43,10 @@ from engine.trace import TOP_N
 class MTPHeadsDrafter:
     name = "mtp"
 
-    def __init__(self, target: LoadedModel, heads: MTPHeads, tree: TreeShape | None = None,
+    def __init__(self, target: LoadedModel, heads: MTPHeads, tree: TreeShape | DynamicTree | None = None,
                  vocabulary: torch.Tensor | None = None):
         n = len(heads.blocks)
-        if tree is not None and tree.depth > n:
+        if isinstance(tree, TreeShape) and tree.depth > n:
             raise InputError(f"tree {tree.name!r} is {tree.depth} deep but there are only {n} MTP heads")
         self.heads = heads.to(target.device, target.dtype)  # they read the target's hidden states
         lm_head = target.model.get_output_embeddings()
@@ -67,15 +68,19 @@ class MTPHeadsDrafter:
             n = min(k, logits.shape[0])
             ids = [choose(probs[i], logits[i], sampling, float(torch.rand((), generator=rng))) for i in range(n)]
             return DraftProposal(torch.tensor(ids, dtype=torch.long), probs[:n], head_probs=probs[:n])
-        paths = self.tree.paths
+        if isinstance(self.tree, DynamicTree):  # this step's likeliest paths under the heads' own probabilities
+            ranked = [torch.topk(probs[d], self.tree.beam).values.tolist() for d in range(min(k, probs.shape[0]))]
+            paths = order_paths(best_paths(ranked, self.tree.nodes))
+        else:
+            paths = self.tree.paths
+        depth = max(len(p) for p in paths)
         # ranked on the same rows, with the same count, as the step record's per-head top candidates
         # (engine.decoding._head_top), so ties rank alike in both
-        top = [torch.topk(probs[d], max(TOP_N, self.tree.top_k(d + 1))).indices[:self.tree.top_k(d + 1)].tolist()
-               for d in range(self.tree.depth)]
+        top = [torch.topk(probs[d], max(TOP_N, rank_width(paths, d + 1))).indices[:rank_width(paths, d + 1)].tolist()
+               for d in range(depth)]
         ids = torch.tensor([top[len(p) - 1][p[-1]] for p in paths], dtype=torch.long)
         node_probs = probs[[len(p) - 1 for p in paths]]  # (nodes, V): each node's head distribution
-        return DraftProposal(ids, node_probs, parents=self.tree.parents, head_probs=probs[: self.tree.depth],
-                             ranks=paths)
+        return DraftProposal(ids, node_probs, parents=parents_of(paths), head_probs=probs[:depth], ranks=paths)
 
 
 class NativeMTPDrafter:
@@ -84,7 +89,8 @@ class NativeMTPDrafter:
     name = "mtp"
 
     def __init__(self, target: LoadedModel, module: torch.nn.Module | None = None,
-                 vocabulary: torch.Tensor | None = None, tree: TreeShape | None = None, stop: float = 0.0):
+                 vocabulary: torch.Tensor | None = None, tree: TreeShape | DynamicTree | None = None,
+                 stop: float = 0.0):
         self.layers = NativeMTP(target, module, vocabulary)
         self.tree = tree
         self.stop = stop  # DrafterSpec.draft_stop
@@ -93,6 +99,9 @@ class NativeMTPDrafter:
         self.layers.observe(context, accepted, hidden)
 
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+        if isinstance(self.tree, DynamicTree) and sampling.greedy:
+            ids, probs, paths = self.layers.draft_dynamic(context, k, self.tree.nodes, self.tree.beam)
+            return DraftProposal(ids, probs, parents=parents_of(paths), ranks=paths)
         if self.tree is not None and sampling.greedy:  # (trees are verified greedily: with sampling, a chain)
             ids, probs = self.layers.draft_tree(context, self.tree.paths)
             return DraftProposal(ids, probs, parents=self.tree.parents, ranks=self.tree.paths)

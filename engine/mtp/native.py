@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from engine.drafters.vocab import DraftVocabulary
 from engine.errors import InputError
 from engine.models import LoadedModel
+from engine.mtp.tree import order_paths
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 
 
@@ -65,12 +66,13 @@ class NativeMTP:
         self.states.append(self.states[0][:0])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> float32 logits (..., V) over the target's vocabulary."""
         if self.subset is not None:
             return self.subset.logits(hidden)  # (V,), -inf outside the drafting vocabulary
-        logits = self.mtp._project_to_logits(hidden[None])[0].float()  # (V',)
-        if logits.shape[0] != self.vocab:  # pad/cut to the target's vocabulary
-            logits = torch.nn.functional.pad(logits, (0, max(0, self.vocab - logits.shape[0])), value=-1e9)
-        return logits[: self.vocab]
+        logits = self.mtp._project_to_logits(hidden[None])[0].float()  # (..., V')
+        if logits.shape[-1] != self.vocab:  # pad/cut to the target's vocabulary
+            logits = torch.nn.functional.pad(logits, (0, max(0, self.vocab - logits.shape[-1])), value=-1e9)
+        return logits[..., : self.vocab]
 
     @torch.inference_mode()
     def draft(
@@ -132,17 +134,29 @@ class NativeMTP:
                            kept.values.expand(copies, -1, -1, -1).contiguous(), layer)
         return scratch
 
+    def _branches(self, n: int, d: int, nodes: list[tuple[int, ...]], ids: dict, rows_of: dict) -> dict:
+        """Depth d + 1 for tree nodes at depth d, as one batch over copies of that depth's
+        settled cache; nothing computed here is kept. A node whose path holds tokens t_1..t_d
+        runs rows n-d+1..n with those tokens over the previous depth's rows along the same path:
+        the settled row n-d+1 and its parent's own rows (rows_of[parent], depth >= 2). Returns
+        node -> (its rows at depth d + 1 (d, H), the distribution it gives its children (V,))."""
+        device = self.states[0].device
+        tokens = torch.tensor([[ids[q[:j + 1]] for j in range(d)] for q in nodes], device=device)  # (B, d)
+        rows = torch.stack([torch.cat([self.states[d][n - d + 1: n - d + 2]] + ([] if d == 1 else [rows_of[q[:-1]]]))
+                            for q in nodes])  # (B, d, H)
+        positions = torch.arange(n + 2, n + d + 2, device=device)[None].expand(len(nodes), -1)
+        out = self.mtp.forward_layer(d % len(self.mtp.layers), rows, positions, self._branch_cache(d + 1, len(nodes)),
+                                     input_ids=tokens)  # (B, d, H) at depth d + 1
+        probs = torch.softmax(self._logits(out[:, -1]), -1)  # (B, V)
+        return {q: (out[b], probs[b]) for b, q in enumerate(nodes)}
+
     @torch.inference_mode()
     def draft_tree(self, context: list[int], paths: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """A tree of drafts given as paths of ranks (engine/mtp/trees.yaml): node (0, 2) is the
         third likeliest token after the likeliest first draft, each node ranked in its own
         parent's distribution (every branch is its own MTP rollout, EAGLE-style). Greedy.
-
-        Depth d + 1 of a node whose path holds tokens t_1..t_d runs rows n-d+1..n (n: the anchor,
-        len(context) - 2) with tokens t_1..t_d over the previous depth's rows along the same
-        path: the settled row n-d+1 and the parent's own rows. All nodes of one depth run as one
-        batch over copies of that depth's settled cache; nothing a branch computes is kept.
-        Returns ids (nodes,) and each node's draft distribution (nodes, V)."""
+        All nodes of one depth run as one batch (_branches). Returns ids (nodes,) and each
+        node's draft distribution (nodes, V)."""
         n = len(context) - 2
         depth = max(len(p) for p in paths)
         self._settle(context, depth)
@@ -163,19 +177,45 @@ class NativeMTP:
                 for r in ranks:
                     children.append(path + (r,))
                     ids[path + (r,)], probs[path + (r,)] = top[r], p
-            if d == depth or not children:
-                break
             nodes = [q for q in children if q in ranks_of]  # only nodes with children of their own run on
-            if not nodes:
+            if d == depth or not nodes:
                 break
-            tokens = torch.tensor([[ids[q[:j + 1]] for j in range(d)] for q in nodes], device=root.device)  # (B, d)
-            rows = torch.stack([torch.cat([self.states[d][n - d + 1: n - d + 2]] + ([] if d == 1 else [level[q[:-1]][0]]))
-                                for q in nodes])  # (B, d, H): settled row n-d+1, then the parent's rows
-            positions = torch.arange(n + 2, n + d + 2, device=root.device)[None].expand(len(nodes), -1)
-            out = self.mtp.forward_layer(d % len(self.mtp.layers), rows, positions, self._branch_cache(d + 1, len(nodes)),
-                                         input_ids=tokens)  # (B, d, H) at depth d + 1
-            level = {q: (out[b], torch.softmax(self._logits(out[b, -1]), -1)) for b, q in enumerate(nodes)}
+            level = self._branches(n, d, nodes, ids, {q: rows for q, (rows, _) in level.items()})
         missing = [p for p in paths if p not in ids]
         if missing:
             raise InputError(f"tree path {missing[0]} has no parent in the tree")
         return torch.tensor([ids[p] for p in paths], dtype=torch.long), torch.stack([probs[p] for p in paths])
+
+    @torch.inference_mode()
+    def draft_dynamic(self, context: list[int], depth: int, nodes: int, beam: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, ...], ...]]:
+        """A tree grown from this step's own probabilities (EAGLE-2, Li et al. 2024): a node's
+        score is the product of its path's draft probabilities; each depth offers the `beam`
+        likeliest tokens after each of the previous depth's `beam` best-scoring nodes, and the
+        tree is the `nodes` best-scoring nodes drafted (a child never outscores its parent, so
+        they form a tree). A node that cannot enter the tree (`nodes` nodes already outscore it)
+        is not expanded. Greedy. Returns ids (nodes,), each node's draft distribution (nodes, V)
+        and the nodes' paths of ranks, in tree order (engine.mtp.tree.order_paths)."""
+        n = len(context) - 2
+        self._settle(context, depth)
+        level = {(): (None, torch.softmax(self._logits(self.states[1][n]), -1))}
+        score, ids, probs = {(): 1.0}, {}, {}
+        frontier = [()]
+        for d in range(1, depth + 1):
+            for path in frontier:
+                p = level[path][1]
+                top = torch.topk(p, beam)
+                for r, (prob, token) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+                    q = path + (r,)
+                    score[q], ids[q], probs[q] = score[path] * prob, token, p
+            if d == depth:
+                break
+            ranked = sorted(ids, key=lambda q: (-score[q], len(q), q))
+            floor = score[ranked[nodes - 1]] if len(ranked) >= nodes else -1.0  # the tree's weakest so far
+            frontier = [q for q in sorted((q for q in ids if len(q) == d), key=lambda q: (-score[q], q))[:beam]
+                        if score[q] > floor]
+            if not frontier:
+                break
+            level = self._branches(n, d, frontier, ids, {q: rows for q, (rows, _) in level.items()})
+        paths = order_paths(sorted(ids, key=lambda q: (-score[q], len(q), q))[:nodes])
+        return (torch.tensor([ids[p] for p in paths], dtype=torch.long), torch.stack([probs[p] for p in paths]), paths)

@@ -14,6 +14,8 @@ lists, (0, 2) = head 1's top-1 followed by head 2's top-3 (Medusa's notation).
 from __future__ import annotations
 
 import functools
+import heapq
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,15 +140,73 @@ def best_tree(rank_accuracy: list[list[float]], nodes: int) -> tuple[list[tuple[
     >>> best_tree([[0.6, 0.2], [0.5, 0.1]], 3)
     ([(0,), (0, 0), (1,)], 2.1)
     """
-    frontier = [(acc, (r,)) for r, acc in enumerate(rank_accuracy[0])]
-    chosen: list[tuple[float, tuple[int, ...]]] = []
-    while frontier and len(chosen) < nodes:
-        frontier.sort(reverse=True)
-        prob, path = frontier.pop(0)
-        chosen.append((prob, path))
-        if len(path) < len(rank_accuracy):
-            frontier += [(prob * acc, path + (r,)) for r, acc in enumerate(rank_accuracy[len(path)])]
-    return [p for _, p in chosen], round(1 + sum(prob for prob, _ in chosen), 4)
+    paths = best_paths(rank_accuracy, nodes)
+    chance = [math.prod(rank_accuracy[d][r] for d, r in enumerate(p)) for p in paths]
+    return paths, round(1 + sum(chance), 4)
+
+
+def order_paths(paths) -> tuple[tuple[int, ...], ...]:
+    """Rank paths in the order trees list their nodes: by depth, then by ranks (parents first).
+
+    >>> order_paths([(1,), (0, 0), (0,)])
+    ((0,), (1,), (0, 0))
+    """
+    return tuple(sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p)))
+
+
+def parents_of(paths: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Each path's parent index in `paths` (-1 for depth 1); parents must be listed first.
+
+    >>> parents_of(((0,), (1,), (0, 0), (1, 0)))
+    (-1, -1, 0, 1)
+    """
+    index = {p: i for i, p in enumerate(paths)}
+    missing = [p for p in paths if len(p) > 1 and index.get(p[:-1], len(paths)) >= index[p]]
+    if missing:
+        raise ValueError(f"tree path {list(missing[0])} is not listed after its parent")
+    return tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths)
+
+
+def rank_width(paths, depth: int) -> int:
+    """How many candidates depth `depth` (1-based) must offer for these paths.
+
+    >>> rank_width([(0,), (2,), (0, 1)], 1), rank_width([(0,), (2,), (0, 1)], 2), rank_width([(0,)], 2)
+    (3, 2, 0)
+    """
+    return 1 + max((p[depth - 1] for p in paths if len(p) >= depth), default=-1)
+
+
+def best_paths(ranked: list[list[float]], nodes: int) -> list[tuple[int, ...]]:
+    """The `nodes` rank paths with the highest product of probabilities, where ranked[d] holds
+    depth d+1's candidate probabilities in descending order and the same at every node (MTP
+    heads: each head's distribution ignores the path). Parents come before their children; a
+    child never outranks its parent, so the set is a tree. A dynamic tree for heads (for the
+    module, whose distributions depend on the path, NativeMTP.draft_dynamic grows it).
+
+    >>> best_paths([[0.6, 0.3], [0.9, 0.05]], 4)
+    [(0,), (0, 0), (1,), (1, 0)]
+    """
+    heap = [(-p, (r,)) for r, p in enumerate(ranked[0])] if ranked else []
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < len(ranked):
+            for r, p in enumerate(ranked[len(path)]):
+                heapq.heappush(heap, (neg * p, path + (r,)))
+    return chosen
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen at every step (EAGLE-2): the `nodes` jointly likeliest drafts, at most k
+    deep, each depth expanding its `beam` likeliest nodes into their `beam` likeliest tokens."""
+
+    name: str
+    nodes: int
+    beam: int
+    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,20 +218,20 @@ class TreeShape:
 
     @property
     def parents(self) -> tuple[int, ...]:
-        index = {p: i for i, p in enumerate(self.paths)}
-        return tuple(index[p[:-1]] if len(p) > 1 else -1 for p in self.paths)
+        return parents_of(self.paths)
 
     @property
     def depth(self) -> int:
         return max(len(p) for p in self.paths)
 
-    def top_k(self, depth: int) -> int:
-        """How many candidates head `depth` (1-based) must propose for this shape."""
-        return 1 + max((p[depth - 1] for p in self.paths if len(p) >= depth), default=-1)
 
-
-def _shape(name: str, paths: list) -> TreeShape:
-    ordered = tuple(sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p)))
+def _shape(name: str, entry: dict) -> TreeShape | DynamicTree:
+    if "dynamic" in entry:
+        nodes, beam = int(entry["dynamic"]["nodes"]), int(entry["dynamic"]["beam"])
+        if not (1 <= nodes <= 64 and 1 <= beam <= 16):
+            raise ValueError(f"tree {name!r}: a dynamic tree has 1..64 nodes and a beam of 1..16")
+        return DynamicTree(name, nodes, beam, entry.get("description", ""))
+    ordered = order_paths(tuple(int(r) for r in p) for p in entry["paths"])
     for p in ordered:
         if not p or min(p) < 0 or (len(p) > 1 and p[:-1] not in ordered):
             raise ValueError(f"tree {name!r}: node {list(p)} is empty, negative or lacks its parent")
@@ -179,12 +239,12 @@ def _shape(name: str, paths: list) -> TreeShape:
 
 
 @functools.cache
-def tree_shapes() -> dict[str, TreeShape]:
+def tree_shapes() -> dict[str, TreeShape | DynamicTree]:
     data = yaml.safe_load(TREES_FILE.read_text())
-    return {name: _shape(name, entry["paths"]) for name, entry in data["trees"].items()}
+    return {name: _shape(name, entry) for name, entry in data["trees"].items()}
 
 
-def tree_shape(name: str) -> TreeShape:
+def tree_shape(name: str) -> TreeShape | DynamicTree:
     shapes = tree_shapes()
     if name not in shapes:
         raise InputError(f"unknown tree shape {name!r} ({', '.join(shapes)})")
