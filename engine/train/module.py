@@ -211,6 +211,17 @@ def _checkpoint_path(cfg: ModuleConfig, target: LoadedModel, out: Path) -> Path:
     return cache_root() / "train" / f"mtp-module-{hashlib.sha256(key.encode()).hexdigest()[:16]}.ckpt"
 
 
+def _shown(path: str) -> str:
+    """A weights folder as a card shows it: relative to the repository when inside it, never a machine's home."""
+    if not path:
+        return ""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return Path(path).name
+
+
 def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, list[Sequence]], cfg: ModuleConfig,
                  out: Path, command: str, data_info: dict, progress: bool = True) -> dict:
     gen = seed_everything(cfg.seed)
@@ -291,7 +302,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         "storage": "float16 safetensors: the MTP layers only; embedding, LM head and rotary come from the target",
         "command": command,
         "data": {**data_info, "train": corpus_stats(train), **{f"eval_{k}": corpus_stats(v) for k, v in evals.items()}},
-        "training": {**asdict(cfg), "steps_run": steps, "final_loss": round(float(loss), 4), "train_s": round(seconds, 1),
+        "training": {**asdict(cfg), "init": _shown(cfg.init), "steps_run": steps, "final_loss": round(float(loss), 4), "train_s": round(seconds, 1),
                      "train_vocabulary": int(len(vocab))},
         "training_history": history,  # the runs before this one, when it started from their weights
         "evaluation": after,
