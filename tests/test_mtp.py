@@ -409,6 +409,35 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     assert draft.model.config.num_hidden_layers == 2
 
 
+def test_heads_and_draft_model_train_on_the_modules_corpus(tiny_target, tmp_path, monkeypatch):
+    """--corpus N: the heads and the draft model learn from the MTP module's data (real prompts,
+    self-written and task requests), answer rows only, within a time budget; still exact."""
+    from engine.train.__main__ import main
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
+    common = ["--model", tiny_target, "--corpus", "6", "--self-prompts", "2", "--task-prompts", "1", "--heldout", "3",
+              "--answers-dir", str(tmp_path / "answers")]
+    assert main(["mtp-heads", "--out", str(tmp_path / "heads"), "--steps", "1000000",
+                 "--minutes", "0.02", "--batch", "16", *common]) == 0
+    assert main(["draft-model", "--out", str(tmp_path / "draft"), "--steps", "3", "--batch", "2", "--layers", "1", *common]) == 0
+    heads_card = json.loads((tmp_path / "heads" / CARD_FILE).read_text())
+    draft_card = json.loads((tmp_path / "draft" / CARD_FILE).read_text())
+    for card in (heads_card, draft_card):
+        data = card["data"]
+        assert data["sources"]["magpie-self"] == 2
+        assert data["sources"].get("task-summarize", 0) + data["sources"].get("task-passages", 0) == 1
+        assert data["train_sequences"] == 9 and data["heldout_sequences"] == 3 and "task_prompts" in data["prompts_file"]
+        assert data["answer_dtype"] == "bfloat16" and data["train_tokens"] > 0
+    assert 5 < heads_card["training"]["steps_run"] < 1000000 and draft_card["training"]["steps_run"] == 3
+    assert len(list((tmp_path / "answers").glob("answers-*.jsonl.gz"))) == 1  # the module's answer store, shared
+    target = load_model(tiny_target)
+    plain = baseline(target, n=16)
+    for spec in (DrafterSpec("mtp", draft=str(tmp_path / "heads"), tree="dynamic-8"),
+                 DrafterSpec("draft-model", draft=f"distilled:{tmp_path / 'draft'}")):
+        drafter = build_drafter(target, spec)
+        assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
+
+
 @pytest.mark.parametrize("name, kind", [("mtp-heads", "mtp-heads"), ("draft-model", "draft-model"),
                                         ("mtp-module", "mtp-module")])
 def test_shipped_weights_match_their_cards(name, kind):

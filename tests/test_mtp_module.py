@@ -307,7 +307,8 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "module"
-    args = ["mtp-module", "--model", tiny_target, "--prompts", "12", "--self-prompts", "3", "--heldout", "4", "--spec-bench", "6",
+    args = ["mtp-module", "--model", tiny_target, "--prompts", "12", "--self-prompts", "3", "--task-prompts", "2",
+            "--heldout", "4", "--spec-bench", "6",
             "--max-new-tokens", "8", "--data-batch", "4", "--steps", "8", "--batch-positions", "256",
             "--depths", "3", "--out", str(out), "--dtype", "float32", "--quiet", "--answers-dir", str(tmp_path / "answers")]
     assert main(args) == 0
@@ -315,14 +316,17 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     card = json.loads((out / CARD_FILE).read_text())
     assert card["kind"] == KIND and card["layers"] == 1 and card["training"]["steps"] == 8
     assert set(card["evaluation"]) == {"heldout", "spec_bench"}
-    assert len(card["evaluation"]["spec_bench"]["top1"]) == 3 and card["data"]["train"]["sequences"] == 15
-    assert card["data"]["train"]["sources"]["magpie-self"] == 3 and "self_prompts" in card["data"]["prompts_file"]
+    sources = card["data"]["train"]["sources"]
+    assert len(card["evaluation"]["spec_bench"]["top1"]) == 3 and card["data"]["train"]["sequences"] == sum(sources.values())
+    assert sources["magpie-self"] == 3 and "self_prompts" in card["data"]["prompts_file"]
+    assert sources.get("task-summarize", 0) + sources.get("task-passages", 0) == 2
+    assert "task_prompts" in card["data"]["prompts_file"]
     assert 0 < card["data"]["eval_spec_bench"]["sequences"] <= 6  # (prompts over 512 tokens are skipped)
     target = load_model(tiny_target)
     plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, ignore_eos=True)))
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(out)))
     assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
-    shards = [p for split in ("train", "self") for p in sorted((tmp_path / "cache").glob(f"train/corpus-*/{split}-*.pt"))]
+    shards = [p for split in ("train", "self", "tasks") for p in sorted((tmp_path / "cache").glob(f"train/corpus-*/{split}-*.pt"))]
     vocab = drafting_vocabulary(load_corpus(shards), target.vocab_size)
     assert card["draft_vocabulary"]["tokens"] == len(vocab)
     # a warm start continues from those weights (its evaluation before training is theirs after,
@@ -396,3 +400,37 @@ def test_self_prompts_drop_unfinished_short_duplicate_and_spec_bench_text(tiny_t
     assert not any(sp.ngrams(r["text"]) & grams for r in rows)
     assert not any(r["text"].strip().lower() in train_texts for r in rows)
     assert [key for key, _, _ in read_split("self")][:2] == ["self/0", "self/1"]
+
+
+# --- requests about a text, made from the target's answers -----------------------------------
+
+def test_task_prompts_are_requests_about_the_targets_own_answers(embedded):
+    from engine.train import task_prompts as tp
+    from engine.train.corpus import ANSWERS_DIR
+
+    texts = tp.answered_texts(embedded, ANSWERS_DIR)
+    assert len(texts) >= 1000 and all(key.startswith("self/") for key, _, _ in texts)  # never held out, never Spec-Bench
+    assert all(len(tp._words(text)) >= tp.MIN_WORDS for _, _, text in texts)
+    by_key = {key: (request, text) for key, request, text in texts}
+    rows = tp.make_task_prompts(texts, 40, seed=3)
+    assert rows == tp.make_task_prompts(texts, 40, seed=3) != tp.make_task_prompts(texts, 40, seed=4)
+    assert len(rows) == 40 and {r["source"] for r in rows} == {"task-summarize", "task-passages"}
+    for r in rows:
+        if r["source"] == "task-summarize":
+            assert r["text"] == "Summarize: " + by_key[r["from"][0]][1]
+        else:
+            passages, question = r["text"].rsplit("\n", 1)
+            assert passages == " ".join(by_key[key][1] for key in r["from"]) and len(set(r["from"])) == tp.PASSAGES
+            assert question.endswith("?") and question in [by_key[key][0] for key in r["from"]]
+    # a text sharing a 13-word run with a Spec-Bench question is never made into a request
+    from engine.bench.prompts import SPEC_BENCH_FILE
+
+    question = json.loads(SPEC_BENCH_FILE.read_text().splitlines()[0])["turns"][0]
+    leaky = [("self/x", "What is it?", question + " " + "word " * 40)] * 3
+    assert tp.make_task_prompts(leaky, 5) == []
+    with pytest.raises(InputError, match="at least 3 answers"):
+        tp.make_task_prompts(texts[:2], 5)
+    # the shipped file is what the command makes from the committed answers
+    shipped = tp.read_task_prompts()
+    assert len(shipped) >= 500 and shipped == tp.make_task_prompts(texts, len(shipped))
+    assert [key for key, _, _ in read_split("tasks")][:2] == ["tasks/0", "tasks/1"]

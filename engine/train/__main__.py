@@ -1,10 +1,11 @@
-"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary, self-prompts, corpus, mtp-module} [options]
+"""python -m engine.train {prompts, data, mtp-heads, draft-model, vocabulary, self-prompts, task-prompts, corpus, mtp-module} [options]
 
 Every trainer first self-distils (the target answers a prompt set; cached under
 $SPECLAB_CACHE/train, so reruns skip it), then trains, then writes weights + card.json to --out.
 mtp-heads and draft-model read the templated prompts.jsonl; corpus and mtp-module read the real
 prompts of train_prompts.jsonl (engine/train/corpus.py, DATA.md) in bfloat16, and with
---self-prompts the requests self-prompts had the target write (engine/train/self_prompts.py).
+--self-prompts the requests self-prompts had the target write (engine/train/self_prompts.py), with
+--task-prompts the requests about a text that task-prompts made from its answers (task_prompts.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR, resolve_weights
 from engine.train.common import write_vocabulary
-from engine.train.corpus import ANSWERS_DIR, SPLITS, CorpusConfig, build_corpus, corpus_dir, load_corpus
+from engine.train.corpus import (ANSWERS_DIR, SPLITS, CorpusConfig, answer_examples, build_corpus, corpus_dir,
+                                 corpus_stats, load_corpus)
 from engine.train.module import ModuleConfig, train_module
-from engine.train.data import DataConfig, build_dataset
+from engine.train.data import DataConfig, Dataset, build_dataset
 from engine.train.draft import DraftConfig, train_draft
 from engine.train.heads import HeadsConfig, train_heads
 from engine.train.prompts import PROMPTS_FILE, write_prompts
 from engine.train.self_prompts import SELF_PROMPTS, SelfPromptConfig, build_self_prompts
+from engine.train.task_prompts import TASK_PROMPTS, build_task_prompts
 
 
 def _data_args(p: argparse.ArgumentParser, out: str) -> None:
@@ -43,6 +46,16 @@ def _data_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--data-batch", type=int, default=DataConfig.batch_size, help="prompts answered together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 is faster on a busy CPU)")
+    if out in ("mtp-heads", "draft-model"):
+        p.add_argument("--corpus", type=int, default=0, metavar="N",
+                       help="train on the MTP module's data instead of --prompts: the target's bfloat16 answers to N "
+                            "real train prompts (with --self-prompts, --task-prompts; held out: --heldout)")
+        p.add_argument("--self-prompts", type=int, default=0, help="with --corpus: self-written requests too")
+        p.add_argument("--task-prompts", type=int, default=0, help="with --corpus: requests about a text too")
+        p.add_argument("--heldout", type=int, default=160, help="with --corpus: held-out train prompts for the card")
+        p.add_argument("--minutes", type=float, default=0.0,
+                       help="a training time budget: the first steps are timed and --steps set to fit it")
+        p.add_argument("--answers-dir", default=str(ANSWERS_DIR), help="with --corpus: the committed answers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     selfp.add_argument("--seed", type=int, default=0)
     selfp.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     selfp.add_argument("--quiet", action="store_true", help="no progress bars")
+    tasks = sub.add_parser("task-prompts", help="requests about a text (summarize, passages + question), made from "
+                           "the committed answers, into task_prompts.jsonl")
+    tasks.add_argument("--model", default="embedded", help="preset name or local folder of the target")
+    tasks.add_argument("--count", type=int, default=800, help="requests written (half of each kind)")
+    tasks.add_argument("--seed", type=int, default=0)
+    tasks.add_argument("--answers-dir", default=str(ANSWERS_DIR), help="the answers read")
+    tasks.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     module = sub.add_parser("mtp-module", help="train the DeepSeek-style MTP module")
     _corpus_args(module)
     module.add_argument("--out", default=str(WEIGHTS_DIR / "mtp-module"), help="folder for weights + card.json")
@@ -83,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     module.add_argument("--spec-bench", type=int, default=120, help="Spec-Bench dev questions answered for the card")
     module.add_argument("--self-prompts", type=int, default=0,
                         help="also train on this many requests the target wrote itself (self_prompts.jsonl)")
+    module.add_argument("--task-prompts", type=int, default=0,
+                        help="also train on this many requests about a text (task_prompts.jsonl)")
     module.add_argument("--layers", type=int, default=ModuleConfig.layers)
     module.add_argument("--depths", type=int, default=ModuleConfig.depths)
     module.add_argument("--steps", type=int, default=ModuleConfig.steps)
@@ -112,6 +134,35 @@ def _answers_dir(args: argparse.Namespace) -> Path | None:
     return None if args.answers_dir == "none" else Path(args.answers_dir)
 
 
+def _splits(target, base: CorpusConfig, counts: dict[str, int], args: argparse.Namespace) -> dict[str, list]:
+    """The corpus's sequences of each split asked for (built, or read from the cache)."""
+    data = {}
+    for split, n in counts.items():
+        if split in ("self", "tasks") and not n:
+            data[split] = []
+            continue
+        cfg = CorpusConfig(**{**base.__dict__, "split": split, "prompts": n})
+        data[split] = load_corpus(build_corpus(target, cfg, not getattr(args, "quiet", False), _answers_dir(args)))
+    return data
+
+
+def _prompt_files(args: argparse.Namespace) -> str:
+    return " + ".join(["engine/train/train_prompts.jsonl"] + (["engine/train/self_prompts.jsonl"] if args.self_prompts else [])
+                      + (["engine/train/task_prompts.jsonl"] if args.task_prompts else []))
+
+
+def _corpus_dataset(args: argparse.Namespace) -> Dataset:
+    """The heads' and the draft model's data from the MTP module's corpus (answer rows only)."""
+    answering = load_model(args.model, device="cpu", dtype="bfloat16", kernels="stock")  # batched: stock kernels
+    base = CorpusConfig(prompts=args.corpus, seed=args.seed)
+    data = _splits(answering, base, {"train": args.corpus, "self": args.self_prompts, "tasks": args.task_prompts,
+                                     "heldout": args.heldout}, args)
+    train = data["train"] + data["self"] + data["tasks"]
+    info = {"model": answering.spec, "prompts_file": _prompt_files(args), "corpus": corpus_dir(answering, base).name,
+            "answer_dtype": "bfloat16", "settings": {**base.__dict__, "split": None}, "sources": corpus_stats(train)["sources"]}
+    return Dataset(answer_examples(train, "train") + answer_examples(data["heldout"], "heldout"), info)
+
+
 def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     target = load_model(args.model, device="cpu", dtype=args.dtype, kernels="stock")  # batched: stock kernels
     base = CorpusConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, batch_size=args.data_batch,
@@ -127,22 +178,15 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
         seqs = load_corpus(shards)
         print(f"{corpus_dir(target, cfg)}: {len(seqs)} {args.split} sequences, {sum(s.answer_len for s in seqs)} answer positions")
         return 0
-    splits = {"train": base.prompts, "self": args.self_prompts, "heldout": args.heldout, "spec-bench": args.spec_bench}
-    data = {}
-    for split, n in splits.items():
-        if split == "self" and not n:
-            data[split] = []
-            continue
-        cfg = CorpusConfig(**{**base.__dict__, "split": split, "prompts": n})
-        shards = build_corpus(target, cfg, progress, _answers_dir(args))
-        data[split] = load_corpus(shards)
-    info = {"prompts_file": "engine/train/train_prompts.jsonl" + (" + engine/train/self_prompts.jsonl" if args.self_prompts else ""), "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
+    data = _splits(target, base, {"train": base.prompts, "self": args.self_prompts, "tasks": args.task_prompts,
+                                  "heldout": args.heldout, "spec-bench": args.spec_bench}, args)
+    info = {"prompts_file": _prompt_files(args), "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
             "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
                        lr=args.lr, seed=args.seed, minutes=args.minutes,
                        init=str(resolve_weights(args.init)) if args.init else "")
     evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
-    card = train_module(target, data["train"] + data["self"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
+    card = train_module(target, data["train"] + data["self"] + data["tasks"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
                         info, progress)
     print(f"wrote {args.out}: " + json.dumps(card["evaluation"]))
     return 0
@@ -166,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "task-prompts":
+        try:
+            target = load_model(args.model, device="cpu", dtype="bfloat16", kernels="stock")
+            print(f"{TASK_PROMPTS}: " + json.dumps(build_task_prompts(target, args.count, Path(args.answers_dir), args.seed)))
+        except InputError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command in ("corpus", "mtp-module"):
         try:
             return _corpus_main(args, argv)
@@ -173,9 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     try:
-        target = load_model(args.model, device="cpu", dtype="float32")
         begin = time.perf_counter()
-        data = build_dataset(target, DataConfig(args.max_new_tokens, args.data_batch, limit=args.limit), Path(args.prompts))
+        if getattr(args, "corpus", 0):
+            data = _corpus_dataset(args)
+            target = load_model(args.model, device="cpu", dtype="float32")  # training copies float32 layers, LM head
+        else:
+            target = load_model(args.model, device="cpu", dtype="float32")
+            data = build_dataset(target, DataConfig(args.max_new_tokens, args.data_batch, limit=args.limit), Path(args.prompts))
         data.info["load_s"] = round(time.perf_counter() - begin, 1)
         command = "python -m engine.train " + " ".join(argv)
         if args.command == "data":
@@ -187,10 +243,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {Path(args.out) / entry['file']}: {entry['tokens']} tokens, held-out coverage {entry['heldout_coverage']}")
             return 0
         if args.command == "mtp-heads":
-            cfg = HeadsConfig(heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+            cfg = HeadsConfig(heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                              minutes=args.minutes)
             card = train_heads(target, data, cfg, Path(args.out), command)
         else:
-            cfg = DraftConfig(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+            cfg = DraftConfig(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                              minutes=args.minutes)
             card = train_draft(target, data, cfg, Path(args.out), command)
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)

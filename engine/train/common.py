@@ -24,6 +24,21 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+CALIBRATION_STEPS = 5  # with a time budget: steps timed before the schedule's length is fixed
+
+
+def budget_steps(steps: int, minutes: float, step: int, elapsed: float) -> int:
+    """The schedule's length: `steps`, or with a time budget (minutes > 0), once CALIBRATION_STEPS
+    steps are timed, as many steps as fit the budget at their pace.
+
+    >>> budget_steps(100, 0.0, 5, 10.0), budget_steps(100, 1.0, 4, 1.0), budget_steps(100, 1.0, 5, 10.0)
+    (100, 100, 30)
+    """
+    if minutes <= 0 or step != CALIBRATION_STEPS:
+        return steps
+    return max(CALIBRATION_STEPS + 1, int(minutes * 60 / (elapsed / CALIBRATION_STEPS)))
+
+
 def cosine_lr(step: int, steps: int, lr: float, warmup: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of lr.
 

@@ -7,7 +7,8 @@ questions, GPTeacher code and roleplay instructions, Self-Instruct seed tasks; s
 licences in engine/train/DATA.md). Every 20th row is held out (never trained on; the cards' accuracies read it).
 The Spec-Bench dev questions (engine/bench/prompts/spec-bench.jsonl) can be answered the same
 way, as an evaluation set only (`split="spec-bench"`): no trainer reads that split. Split "self"
-holds the requests the target wrote itself (engine/train/self_prompts.py, Magpie), all trained on.
+holds the requests the target wrote itself (engine/train/self_prompts.py, Magpie), split "tasks" the
+requests about a text made from its answers (engine/train/task_prompts.py); both all trained on.
 
 Why a teacher-forced pass after generating: a drafter is fed the hidden states the engine's
 verification and prefill forwards produce (all positions, prompt included: an MTP module keeps a
@@ -39,7 +40,7 @@ from engine.models import LoadedModel, cache_root
 
 TRAIN_PROMPTS = Path(__file__).with_name("train_prompts.jsonl")
 HELDOUT_EVERY = 20  # row i is held out when i % 20 == 0
-SPLITS = ("train", "heldout", "spec-bench", "self")
+SPLITS = ("train", "heldout", "spec-bench", "self", "tasks")
 BLOCK = 256  # prompts drawn together; sorted by length inside a block, then batched
 
 
@@ -85,6 +86,10 @@ def read_split(split: str) -> list[tuple[str, str, str]]:
         from engine.train.self_prompts import read_self_prompts
 
         return [(f"self/{i}", r["source"], r["text"]) for i, r in enumerate(read_self_prompts())]
+    if split == "tasks":
+        from engine.train.task_prompts import read_task_prompts
+
+        return [(f"tasks/{i}", r["source"], r["text"]) for i, r in enumerate(read_task_prompts())]
     rows = [json.loads(line) for line in TRAIN_PROMPTS.read_text(encoding="utf-8").split("\n") if line.strip()]
     held = split == "heldout"
     return [(f"{split}/{i}", r["source"], r["text"]) for i, r in enumerate(rows) if (i % HELDOUT_EVERY == 0) == held]
@@ -257,6 +262,19 @@ def _save_json(data: dict, path: Path) -> None:
 def load_corpus(paths: list[Path]) -> list[Sequence]:
     """Every sequence of these shards, in order."""
     return [Sequence(**s) for p in paths for s in torch.load(p, weights_only=True)["sequences"]]
+
+
+def answer_examples(seqs: list[Sequence], split: str) -> list:
+    """The corpus's sequences as the heads' and the draft model's training examples
+    (engine/train/data.py's Example): only the answer's rows, row j being the hidden state that
+    chose answer token j and the target's top-K logits there."""
+    from engine.train.data import Example
+
+    out = []
+    for n, s in enumerate(seqs):
+        rows = slice(s.prompt_len - 1, len(s.ids) - 1)
+        out.append(Example(n, s.source, split, s.ids, s.prompt_len, s.hidden[rows], s.top_ids[rows], s.top_logits[rows]))
+    return out
 
 
 def corpus_stats(seqs: list[Sequence]) -> dict:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from engine.models import LoadedModel
 from engine.mtp.distilled import KIND, build_draft, trained_modules
 from engine.mtp.weights import save_weights
-from engine.train.common import card_base, cosine_lr, seed_everything, write_vocabulary
+from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, write_vocabulary
 from engine.train.data import Dataset, Example
 
 
@@ -30,6 +30,7 @@ class DraftConfig:
     lr: float = 1e-3
     warmup: int = 10
     seed: int = 0
+    minutes: float = 0.0  # > 0: a time budget; the first steps are timed and `steps` set to fit it
 
 
 def _forward(draft: torch.nn.Module, batch: list[Example], pad: int) -> list[torch.Tensor]:
@@ -73,13 +74,18 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
     opt = torch.optim.AdamW(trained.parameters(), lr=cfg.lr, weight_decay=0.0)
     begin = time.perf_counter()
     draft.train()
-    bar = tqdm(range(cfg.steps), desc="draft-model", unit="step")
-    for step in bar:
+    steps, step = cfg.steps, 0
+    bar = tqdm(total=steps, desc="draft-model", unit="step")
+    while step < steps:
+        steps = budget_steps(steps, cfg.minutes, step, time.perf_counter() - begin)
+        bar.total = steps
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
+            group["lr"] = cosine_lr(step, steps, cfg.lr, cfg.warmup)
         batch = [train[int(i)] for i in torch.randint(0, len(train), (cfg.batch,), generator=gen)]
         losses = []
-        for logits, e in zip(_forward(draft, batch, pad), batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=str(target.device).startswith("cpu")):
+            forward = _forward(draft, batch, pad)
+        for logits, e in zip(forward, batch):
             ids, probs = _soft_targets(e)
             log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)  # (R, K)
             losses.append(-(probs * log_q).sum(-1))
@@ -88,6 +94,9 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update()
+        step += 1
+    bar.close()
     train_s = time.perf_counter() - begin
     draft.eval()
     after = evaluate(draft, heldout, pad)
@@ -95,7 +104,7 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
     card.update({
         "layers": cfg.layers,
         "predicts": "the next token: the target's first `layers` decoder layers (trained) + a final norm (trained) + its LM head",
-        "training": {**asdict(cfg), "final_loss": round(loss.item(), 4), "train_s": round(train_s, 1)},
+        "training": {**asdict(cfg), "steps_run": steps, "final_loss": round(loss.item(), 4), "train_s": round(train_s, 1)},
         "heldout": after,
         "heldout_untrained": before,
     })

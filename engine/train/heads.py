@@ -18,7 +18,7 @@ from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads
 from engine.mtp.tree import best_tree
 from engine.mtp.weights import save_weights
-from engine.train.common import card_base, cosine_lr, seed_everything, train_vocabulary, write_vocabulary
+from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, train_vocabulary, write_vocabulary
 from engine.train.data import Dataset, Example
 
 IGNORE = -100
@@ -34,6 +34,7 @@ class HeadsConfig:
     lr: float = 3e-3
     warmup: int = 20
     seed: int = 0
+    minutes: float = 0.0  # > 0: a time budget; the first steps are timed and `steps` set to fit it
 
 
 def head_labels(examples: list[Example], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,19 +95,26 @@ def train_heads(target: LoadedModel, data: Dataset, cfg: HeadsConfig, out: Path,
     before = evaluate(heads, lm_weight, held_hidden, held_labels)  # identity heads: the target's next token
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
     begin = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc="mtp-heads", unit="step")
-    for step in bar:
+    steps, step = cfg.steps, 0
+    bar = tqdm(total=steps, desc="mtp-heads", unit="step")
+    while step < steps:
+        steps = budget_steps(steps, cfg.minutes, step, time.perf_counter() - begin)
+        bar.total = steps
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup)
+            group["lr"] = cosine_lr(step, steps, cfg.lr, cfg.warmup)
         idx = torch.randint(0, hidden.shape[0], (cfg.batch,), generator=gen)
         y = labels[idx]  # (b, heads)
         y = torch.where(y == IGNORE, y, to_vocab[y.clamp_min(0)])
-        logits = heads(hidden[idx].float()) @ train_weight.T  # (b, heads, S)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lm_weight.device.type == "cpu"):
+            logits = heads(hidden[idx].float()) @ train_weight.T  # (b, heads, S)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         opt.zero_grad()
         loss.backward()
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update()
+        step += 1
+    bar.close()
     train_s = time.perf_counter() - begin
     heads.eval()
     after = evaluate(heads, lm_weight, held_hidden, held_labels)
@@ -114,7 +122,7 @@ def train_heads(target: LoadedModel, data: Dataset, cfg: HeadsConfig, out: Path,
     card.update({
         "heads": cfg.heads,
         "predicts": "head i (0-based) reads the hidden state that chose token t+1 and predicts token t+2+i",
-        "training": {**asdict(cfg), "train_positions": int(hidden.shape[0]), "train_vocabulary": int(len(vocab)),
+        "training": {**asdict(cfg), "steps_run": steps, "train_positions": int(hidden.shape[0]), "train_vocabulary": int(len(vocab)),
                      "final_loss": round(loss.item(), 4), "train_s": round(train_s, 1)},
         "heldout": after,
         "heldout_untrained_top1": before["top1"],

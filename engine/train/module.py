@@ -39,11 +39,8 @@ from engine.models import LoadedModel, cache_root
 from engine.mtp.module import KIND, build_module, trained_state
 from engine.errors import InputError
 from engine.mtp.weights import load_weights, read_card_for, save_weights
-from engine.train.common import FIRST_IDS, cosine_lr, seed_everything
+from engine.train.common import FIRST_IDS, budget_steps, cosine_lr, seed_everything
 from engine.train.corpus import Sequence, corpus_stats
-
-
-CALIBRATION_STEPS = 5  # with a time budget: steps timed before the schedule's length is fixed
 
 
 @dataclass(frozen=True)
@@ -254,14 +251,13 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         start, seconds = state["step"], state["seconds"]
         steps = state["steps"]
     before = {name: evaluate(module, weight, vocab, seqs, cfg.depths, pad) for name, seqs in evals.items()} if start == 0 else None
-    calibrate = CALIBRATION_STEPS if cfg.minutes > 0 and start == 0 else 0
     bar = tqdm(total=steps, desc="mtp-module", unit="step", disable=not progress, initial=start)
     loss = torch.tensor(float("nan"))
     begin = time.perf_counter()
     step = start
     while step < steps:
-        if calibrate and step == calibrate:  # the time budget fixes the schedule's length
-            steps = max(calibrate + 1, int(cfg.minutes * 60 / ((time.perf_counter() - begin) / calibrate)))
+        if start == 0:  # a time budget fixes the schedule's length after the first steps
+            steps = budget_steps(steps, cfg.minutes, step, time.perf_counter() - begin)
             bar.total = steps
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, steps, cfg.lr, cfg.warmup)
