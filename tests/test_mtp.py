@@ -378,6 +378,17 @@ def test_prompt_set_is_varied_and_reproducible():
     assert 0.05 < sum(p["split"] == "heldout" for p in prompts) / len(prompts) < 0.2
 
 
+def _trained_drafters_are_exact(target, folder, tree: str) -> list[int]:
+    """Heads in folder/heads (drafting a `tree`) and the draft model in folder/draft give plain
+    decoding's greedy tokens, which are returned."""
+    plain = baseline(target, n=16)
+    for spec in (DrafterSpec("mtp", draft=str(folder / "heads"), tree=tree),
+                 DrafterSpec("draft-model", draft=f"distilled:{folder / 'draft'}")):
+        drafter = build_drafter(target, spec)
+        assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
+    return plain
+
+
 def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     """Self-distillation, both trainers, their cards, and the drafters built from what they
     wrote: greedy output still identical to plain decoding."""
@@ -393,11 +404,7 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     assert draft_card["layers"] == 2 and 0 <= draft_card["heldout"]["top1"] <= 1 and draft_card["target"] == tiny_target
     assert heads_card["command"].startswith("python -m engine.train mtp-heads")
     target = load_model(tiny_target)
-    plain = baseline(target, n=16)
-    for spec in (DrafterSpec("mtp", draft=str(tmp_path / "heads"), tree="small"),
-                 DrafterSpec("draft-model", draft=f"distilled:{tmp_path / 'draft'}")):
-        drafter = build_drafter(target, spec)
-        assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
+    plain = _trained_drafters_are_exact(target, tmp_path, "small")
     for folder, card in ((tmp_path / "heads", heads_card), (tmp_path / "draft", draft_card)):
         ids = load_vocabulary(folder)
         assert card["draft_vocabulary"]["tokens"] == len(ids) and 0 <= card["draft_vocabulary"]["heldout_coverage"] <= 1
@@ -430,12 +437,7 @@ def test_heads_and_draft_model_train_on_the_modules_corpus(tiny_target, tmp_path
         assert data["answer_dtype"] == "bfloat16" and data["train_tokens"] > 0
     assert 5 < heads_card["training"]["steps_run"] < 1000000 and draft_card["training"]["steps_run"] == 3
     assert len(list((tmp_path / "answers").glob("answers-*.jsonl.gz"))) == 1  # the module's answer store, shared
-    target = load_model(tiny_target)
-    plain = baseline(target, n=16)
-    for spec in (DrafterSpec("mtp", draft=str(tmp_path / "heads"), tree="dynamic-8"),
-                 DrafterSpec("draft-model", draft=f"distilled:{tmp_path / 'draft'}")):
-        drafter = build_drafter(target, spec)
-        assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
+    _trained_drafters_are_exact(load_model(tiny_target), tmp_path, "dynamic-8")
 
 
 @pytest.mark.parametrize("name, kind", [("mtp-heads", "mtp-heads"), ("draft-model", "draft-model"),
