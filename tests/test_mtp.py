@@ -267,10 +267,42 @@ def test_drafting_vocabulary_scores_only_its_tokens(target):
         DraftVocabulary(torch.tensor([target.vocab_size]), lm_head, target.vocab_size)
 
 
+def test_a_drafting_vocabulary_is_the_tokens_the_target_emits_most():
+    from engine.train.common import drafting_vocabulary, vocabulary_coverage
+
+    answers = [torch.tensor([7, 7, 7, 2, 9]), torch.tensor([9, 7, 4])]
+    # 7 four times, 9 twice, then of the tokens seen once the lower id (2 before 4); sorted
+    assert drafting_vocabulary(answers, 12, size=3).tolist() == [2, 7, 9]
+    assert drafting_vocabulary(answers, 6, size=8).tolist() == list(range(6))  # never past the vocabulary
+    # an answer 7 9 5 3 after the prompt 1 5: 7 and 9 are in the subset, 5 only in the context, 3 in neither
+    coverage = vocabulary_coverage(torch.tensor([7, 9]), [(torch.tensor([1, 5, 7, 9, 5, 3]), 2)], 12)
+    assert coverage == {"heldout_coverage": 0.5, "heldout_coverage_with_context": 0.75}
+
+
+def test_a_drafting_vocabulary_takes_in_the_requests_own_tokens(target):
+    """include(context): the context's tokens outside the subset are scored too (exactly as the
+    LM head scores them), each once, looking only at tokens past the previous call."""
+    lm_head = target.model.get_output_embeddings()
+    vocab = DraftVocabulary(torch.tensor([3, 17]), lm_head, target.vocab_size)
+    vocab.include([5, 17, 5, 2])
+    assert len(vocab) == 4 and vocab.extra_ids.tolist() == [2, 5]
+    vocab.include([5, 17, 5, 2, 9, 3])  # the context grew by 9 and 3 (already scored)
+    vocab.include([5, 17, 5, 2, 9, 3])  # nothing new
+    assert len(vocab) == 5 and vocab.extra_ids.tolist() == [2, 5, 9]
+    hidden = torch.randn(3, lm_head.weight.shape[1], dtype=lm_head.weight.dtype)
+    logits, full = vocab.logits(hidden), lm_head(hidden).float()
+    scored = [2, 3, 5, 9, 17]
+    assert torch.allclose(logits[:, scored], full[:, scored], atol=1e-5)
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[scored] = False
+    assert torch.isneginf(logits[:, outside]).all() and logits.shape == (3, target.vocab_size)
+
+
 @pytest.mark.parametrize("tree", [None, "small"])
 def test_a_drafting_vocabulary_changes_drafts_never_the_output(target, tiny_draft, tree):
-    """Drafters scoring half the vocabulary only propose those tokens; the output is still
-    exactly plain greedy decoding (the target verifies over its whole vocabulary)."""
+    """Drafters scoring half the vocabulary (and the request's own tokens) only propose those
+    tokens; the output is still exactly plain greedy decoding (the target verifies over its whole
+    vocabulary)."""
     half = torch.arange(0, target.vocab_size, 2)
     drafters = [MTPHeadsDrafter(target, random_heads(), tree_shape(tree) if tree else None, vocabulary=half)]
     if tree is None:
@@ -279,7 +311,9 @@ def test_a_drafting_vocabulary_changes_drafts_never_the_output(target, tiny_draf
         events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=3, ignore_eos=True), drafter))
         assert tokens_of(events) == baseline(target)
         drafted = [t for s in steps_of(events) for t in s.draft_token_ids]
-        assert drafted and all(t % 2 == 0 for t in drafted)
+        own = set(PROMPT) | set(tokens_of(events))
+        assert drafted and all(t % 2 == 0 or t in own for t in drafted)
+        assert any(t % 2 for t in own) and len(drafter.subset if isinstance(drafter, MTPHeadsDrafter) else drafter.lm.vocabulary) > len(half)  # (odd ones did join)
 
 
 def test_trace_with_a_tree_round_trips(target):
@@ -407,7 +441,8 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     plain = _trained_drafters_are_exact(target, tmp_path, "small")
     for folder, card in ((tmp_path / "heads", heads_card), (tmp_path / "draft", draft_card)):
         ids = load_vocabulary(folder)
-        assert card["draft_vocabulary"]["tokens"] == len(ids) and 0 <= card["draft_vocabulary"]["heldout_coverage"] <= 1
+        entry = card["draft_vocabulary"]
+        assert entry["tokens"] == len(ids) and 0 <= entry["heldout_coverage"] <= entry["heldout_coverage_with_context"] <= 1
         assert (ids.diff() > 0).all() and int(ids[-1]) < target.vocab_size
     full = build_drafter(target, DrafterSpec("mtp", draft=str(tmp_path / "heads"), draft_vocab="full"))
     assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), full)) == plain
@@ -470,7 +505,7 @@ def test_shipped_weights_match_their_cards(name, kind):
     assert card["data"]["train_sequences"] > 250 and card["training"]["steps"] > 0
     vocab = load_vocabulary(folder)  # the drafting vocabulary scored at run time
     assert card["draft_vocabulary"]["tokens"] == len(vocab) and (vocab.diff() > 0).all()
-    assert int(vocab[-1]) < card["vocab_size"] and card["draft_vocabulary"]["heldout_coverage"] > 0.9
+    assert int(vocab[-1]) < card["vocab_size"] and card["draft_vocabulary"]["heldout_coverage_with_context"] > 0.95
     assert find_weights(kind, card["target"]) == folder
     assert sum(f.stat().st_size for f in WEIGHTS_DIR.glob("*/*")) < 60 * 2**20
 

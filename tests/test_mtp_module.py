@@ -19,7 +19,7 @@ from engine.mtp.module import KIND, build_module, load_module, trained_state
 from engine.mtp.weights import CARD_FILE, save_weights
 from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
 from engine.drafters.vocab import load_vocabulary
-from engine.train.module import ModuleConfig, drafting_vocabulary, evaluate, train_module
+from engine.train.module import ModuleConfig, evaluate, train_module, training_vocabulary
 from engine.mtp.tree import DynamicTree, order_paths, tree_shape
 from engine.sampling import SamplingConfig
 from engine.trace import Step
@@ -327,8 +327,9 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(out)))
     assert tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True), drafter)) == plain
     shards = [p for split in ("train", "self", "tasks") for p in sorted((tmp_path / "cache").glob(f"train/corpus-*/{split}-*.pt"))]
-    vocab = drafting_vocabulary(load_corpus(shards), target.vocab_size)
-    assert card["draft_vocabulary"]["tokens"] == len(vocab)
+    assert card["training"]["train_vocabulary"] == len(training_vocabulary(load_corpus(shards), target.vocab_size))
+    entry = card["draft_vocabulary"]  # the tiny target has fewer tokens than a drafting vocabulary holds
+    assert entry["tokens"] == len(load_vocabulary(out)) == target.vocab_size and entry["heldout_coverage"] == 1
     # a warm start continues from those weights (its evaluation before training is theirs after,
     # up to their float16 storage), and the card lists the run it continued
     again = tmp_path / "module-2"

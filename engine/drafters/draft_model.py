@@ -39,7 +39,10 @@ class DraftModelDrafter:
         return DraftProposal(ids, probs)
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
-        """Nothing to do: the next propose() crops the cache to what the target kept."""
+        """The cache needs nothing (the next propose() crops it to what the target kept); a
+        drafting vocabulary takes in the request's new tokens."""
+        if self.lm.vocabulary is not None:
+            self.lm.vocabulary.include(context)
 
 
 @register("draft-model")

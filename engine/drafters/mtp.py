@@ -50,15 +50,15 @@ class MTPHeadsDrafter:
             raise InputError(f"tree {tree.name!r} is {tree.depth} deep but there are only {n} MTP heads")
         self.heads = heads.to(target.device, target.dtype)  # they read the target's hidden states
         lm_head = target.model.get_output_embeddings()
-        if vocabulary is None:
-            self.score = lambda h: lm_head(h).float()
-        else:
-            self.score = DraftVocabulary(vocabulary, lm_head, target.vocab_size).logits
+        self.subset = None if vocabulary is None else DraftVocabulary(vocabulary, lm_head, target.vocab_size)
+        self.score = (lambda h: lm_head(h).float()) if vocabulary is None else self.subset.logits
         self.tree = tree
         self.hidden: torch.Tensor | None = None  # (H,) the last position's final hidden state
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         self.hidden = hidden[-1]
+        if self.subset is not None:
+            self.subset.include(context)  # the request's own tokens can be drafted
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:

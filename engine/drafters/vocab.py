@@ -8,9 +8,10 @@ what is emitted: the target verifies over its full vocabulary, a draft's probabi
 outside the subset, and the standard acceptance rule is exact for any draft distribution.
 
 The subset ships beside trained weights (engine/weights/<name>/draft_vocabulary.safetensors):
-every token the self-distilled training data mentions (its sequences and the target's top-4 at
-each position, engine.train.common.train_vocabulary) plus the tokenizer's first ids (BPE merge
-order: the most frequent pieces).
+the tokens the target emits most often in its self-distilled training answers, ranked by count
+(engine.train.common.drafting_vocabulary). At run time the request's own tokens join it
+(`include`): a prompt brings rare words (names, code identifiers, another language) that answers
+copy, and a fixed frequency cut would never let the drafter propose them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.errors import InputError
@@ -29,8 +31,9 @@ CHOICES = (TRAINED, FULL)
 
 
 class DraftVocabulary:
-    """Scores hidden states against the LM head rows of `ids` only; logits come back over the
-    full vocabulary with -inf outside the subset (so probabilities there are exactly 0)."""
+    """Scores hidden states against the LM head rows of `ids` (and of the request's own tokens,
+    `include`) only; logits come back over the full vocabulary with -inf outside the subset (so
+    probabilities there are exactly 0)."""
 
     def __init__(self, ids: torch.Tensor, lm_head: torch.nn.Module, vocab_size: int):
         ids = torch.unique(ids.long())
@@ -43,16 +46,39 @@ class DraftVocabulary:
         self.bias = None if bias is None else bias.detach()[self.ids]
         self.vocab_size = vocab_size
         self._packed = PackedWeight()  # 16-bit CPU weights: kept in oneDNN's layout instead of reordered per call
+        self._head = (weight.detach(), None if bias is None else bias.detach())
+        self.member = torch.zeros(vocab_size, dtype=torch.bool)  # ids and extra ids
+        self.member[ids] = True
+        self.extra_ids = self.ids[:0]  # the request's own tokens outside ids (include)
+        self.extra_weight, self.extra_bias = self.weight[:0], None if bias is None else self.bias[:0]
+        self._seen = 0  # context tokens already looked at
 
     def __len__(self) -> int:
-        return int(self.ids.numel())
+        return int(self.ids.numel() + self.extra_ids.numel())
+
+    def include(self, context: list[int]) -> None:
+        """Score the context's tokens too (the prompt and the output so far); call it with the
+        growing context: only tokens past the last call are looked at."""
+        new = torch.tensor(context[self._seen:], dtype=torch.long)
+        self._seen = len(context)
+        new = new[(new >= 0) & (new < self.vocab_size)]
+        new = torch.unique(new[~self.member[new]])
+        if not new.numel():
+            return
+        self.member[new] = True
+        self.extra_ids = torch.cat([self.extra_ids, new.to(self.ids.device)])
+        head, bias = self._head
+        self.extra_weight = head[self.extra_ids].contiguous()
+        self.extra_bias = None if bias is None else bias[self.extra_ids]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> float32 logits (..., V), -inf outside the subset."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        sub = product(rows, self.weight, self.bias, self._packed).float().reshape(*hidden.shape[:-1], -1)  # (..., S)
-        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.ids, sub)
+        full = torch.full((rows.shape[0], self.vocab_size), float("-inf"), device=rows.device)
+        full.index_copy_(-1, self.ids, product(rows, self.weight, self.bias, self._packed).float())
+        if self.extra_ids.numel():  # a few hundred rows: the plain kernel (drafts need no bitwise invariance)
+            full.index_copy_(-1, self.extra_ids, F.linear(rows, self.extra_weight, self.extra_bias).float())
+        return full.reshape(*hidden.shape[:-1], self.vocab_size)
 
 
 def save_vocabulary(folder: Path, ids: torch.Tensor) -> None:

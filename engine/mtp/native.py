@@ -58,6 +58,8 @@ class NativeMTP:
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         self.states[0] = torch.cat([self.states[0], hidden])
+        if self.subset is not None:
+            self.subset.include(context)  # the request's own tokens can be drafted
 
     def _add_depth(self) -> None:
         cache = DynamicCache(config=self.mtp_config)

@@ -25,7 +25,7 @@ import torch
 from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR, resolve_weights
-from engine.train.common import write_vocabulary
+from engine.train.common import answered, write_vocabulary
 from engine.train.corpus import (ANSWERS_DIR, SPLITS, CorpusConfig, answer_examples, build_corpus, corpus_dir,
                                  corpus_stats, load_corpus)
 from engine.train.module import ModuleConfig, train_module
@@ -239,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"held-out positions")
             return 0
         if args.command == "vocabulary":
-            entry = write_vocabulary(Path(args.out), data, target.vocab_size)
-            print(f"wrote {Path(args.out) / entry['file']}: {entry['tokens']} tokens, held-out coverage {entry['heldout_coverage']}")
+            entry = write_vocabulary(Path(args.out), answered(data.split("train")), answered(data.split("heldout")), target.vocab_size,
+                                     command)
+            print(f"wrote {Path(args.out) / entry['file']}: {entry['tokens']} tokens, held-out coverage "
+                  f"{entry['heldout_coverage']} ({entry['heldout_coverage_with_context']} with the request's own tokens)")
             return 0
         if args.command == "mtp-heads":
             cfg = HeadsConfig(heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,

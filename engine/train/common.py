@@ -59,33 +59,64 @@ def train_vocabulary(examples: list[Example], top: int = 4) -> torch.Tensor:
     return torch.unique(ids)
 
 
-FIRST_IDS = 8192  # the tokenizer's first ids join every drafting vocabulary (BPE merge order ~ frequency)
+DRAFT_VOCAB_SIZE = 8192  # tokens in a shipped drafting vocabulary (before the request's own join at run time)
 
 
-def drafting_vocabulary(examples: list[Example], first_ids: int = FIRST_IDS) -> torch.Tensor:
-    """The tokens a trained drafter scores at run time (engine/drafters/vocab.py): the training
-    vocabulary plus the tokenizer's first `first_ids` ids, sorted."""
-    return torch.unique(torch.cat([train_vocabulary(examples), torch.arange(first_ids)]))
+def drafting_vocabulary(answers: list[torch.Tensor], vocab_size: int, size: int = DRAFT_VOCAB_SIZE) -> torch.Tensor:
+    """The tokens a trained drafter scores at run time (engine/drafters/vocab.py): the `size`
+    tokens the target emits most often in the training answers (FR-Spec, Zhao et al. 2025),
+    sorted; ties, and the rest of a short list, go to the lower ids (BPE merge order: the more
+    frequent pieces). `answers`: each answer's emitted tokens."""
+    counts = torch.bincount(torch.cat([a.long() for a in answers] or [torch.zeros(0, dtype=torch.long)]),
+                            minlength=vocab_size)[:vocab_size]
+    ranked = torch.sort(counts, descending=True, stable=True).indices
+    return torch.sort(ranked[:min(size, vocab_size)]).values
 
 
-def write_vocabulary(folder: Path, data: Dataset, vocab_size: int) -> dict:
+def vocabulary_coverage(ids: torch.Tensor, sequences: list[tuple[torch.Tensor, int]], vocab_size: int) -> dict:
+    """How many answer tokens of these (ids, prompt_len) sequences a drafter with this
+    vocabulary could propose at all: with the subset alone, and with the request's own earlier
+    tokens joining it (what run time does)."""
+    base = torch.zeros(vocab_size, dtype=torch.bool)
+    base[ids] = True
+    inside = with_context = total = 0
+    for seq, prompt_len in sequences:
+        seq = seq.long()
+        seen = base.clone()
+        seen[seq[:prompt_len]] = True
+        for token in seq[prompt_len:].tolist():
+            inside += bool(base[token])
+            with_context += bool(seen[token])
+            seen[token] = True
+            total += 1
+    if not total:
+        return {"heldout_coverage": None, "heldout_coverage_with_context": None}
+    return {"heldout_coverage": round(inside / total, 4), "heldout_coverage_with_context": round(with_context / total, 4)}
+
+
+def write_vocabulary(folder: Path, train: list[tuple[torch.Tensor, int]], heldout: list[tuple[torch.Tensor, int]],
+                     vocab_size: int, command: str | None = None) -> dict:
     """Save the drafting vocabulary beside trained weights and record it in their card: its size
-    and how many held-out target tokens it holds (a drafter can never propose the others)."""
-    ids = drafting_vocabulary(data.split("train"))
-    ids = ids[ids < vocab_size]
-    held = torch.cat([e.ids[e.prompt_len:].long() for e in data.split("heldout")] or [torch.zeros(0, dtype=torch.long)])
-    inside = torch.isin(held, ids)
+    and how many held-out answer tokens a drafter could propose with it. `train` / `heldout`:
+    (ids, prompt_len) of each answered prompt; `command`: what wrote it, when not the training run."""
+    ids = drafting_vocabulary([seq[prompt_len:] for seq, prompt_len in train], vocab_size)
     entry = {
-        "file": VOCAB_FILE, "tokens": int(ids.numel()), "first_ids": FIRST_IDS,
-        "made_of": "the training data's tokens and the target's top-4 at every position, plus the first ids",
-        "heldout_coverage": round(float(inside.float().mean()), 4) if held.numel() else None,
-    }
+        "file": VOCAB_FILE, "tokens": int(ids.numel()),
+        "made_of": f"the {DRAFT_VOCAB_SIZE} tokens the target emits most often in the training answers; at run time "
+                   "the request's own tokens (prompt and output so far) join them",
+        **vocabulary_coverage(ids, heldout, vocab_size),
+    } | ({"command": command} if command else {})
     save_vocabulary(folder, ids)
     card_path = Path(folder) / CARD_FILE
     card = json.loads(card_path.read_text())
     card["draft_vocabulary"] = entry
     card_path.write_text(json.dumps(card, indent=2) + "\n")
     return entry
+
+
+def answered(examples) -> list[tuple[torch.Tensor, int]]:
+    """(ids, prompt_len) of each example (engine/train/data.py's Example, or a corpus Sequence)."""
+    return [(e.ids, e.prompt_len) for e in examples]
 
 
 def card_base(kind: str, target: LoadedModel, data: Dataset, command: str) -> dict:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from engine.models import LoadedModel
 from engine.mtp.distilled import KIND, build_draft, trained_modules
 from engine.mtp.weights import save_weights
-from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, write_vocabulary
+from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, answered, write_vocabulary
 from engine.train.data import Dataset, Example
 
 
@@ -109,5 +109,5 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
         "heldout_untrained": before,
     })
     save_weights(out, trained.state_dict(), card)
-    card["draft_vocabulary"] = write_vocabulary(out, data, target.vocab_size)
+    card["draft_vocabulary"] = write_vocabulary(out, answered(data.split("train")), answered(data.split("heldout")), target.vocab_size)
     return card

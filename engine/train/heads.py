@@ -18,7 +18,7 @@ from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads
 from engine.mtp.tree import best_tree
 from engine.mtp.weights import save_weights
-from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, train_vocabulary, write_vocabulary
+from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, answered, train_vocabulary, write_vocabulary
 from engine.train.data import Dataset, Example
 
 IGNORE = -100
@@ -131,5 +131,5 @@ def train_heads(target: LoadedModel, data: Dataset, cfg: HeadsConfig, out: Path,
                   for n in TREE_SIZES},
     })
     save_weights(out, heads.state_dict(), card)
-    card["draft_vocabulary"] = write_vocabulary(out, data, target.vocab_size)
+    card["draft_vocabulary"] = write_vocabulary(out, answered(data.split("train")), answered(data.split("heldout")), target.vocab_size)
     return card

@@ -34,12 +34,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.drafters.vocab import save_vocabulary
 from engine.models import LoadedModel, cache_root
 from engine.mtp.module import KIND, build_module, trained_state
 from engine.errors import InputError
 from engine.mtp.weights import load_weights, read_card_for, save_weights
-from engine.train.common import FIRST_IDS, budget_steps, cosine_lr, seed_everything
+from engine.train.common import answered, budget_steps, cosine_lr, seed_everything, write_vocabulary
 from engine.train.corpus import Sequence, corpus_stats
 
 
@@ -57,9 +56,13 @@ class ModuleConfig:
     init: str = ""  # a trained module's folder to start from (warm start), "" for the target's last layer
 
 
-def drafting_vocabulary(seqs: list[Sequence], vocab_size: int, top: int = 4, first_ids: int = FIRST_IDS) -> torch.Tensor:
-    """The tokens the module scores (trained over, and shipped to draft with): every token of the
-    training sequences, the target's top-`top` at every position, and the tokenizer's first ids."""
+FIRST_IDS = 8192  # the tokenizer's first ids join the training vocabulary (BPE merge order ~ frequency)
+
+
+def training_vocabulary(seqs: list[Sequence], vocab_size: int, top: int = 4, first_ids: int = FIRST_IDS) -> torch.Tensor:
+    """The tokens the module's training softmax runs over (the full vocabulary costs too much on a
+    small CPU): every token of the training sequences, the target's top-`top` at every position,
+    and the tokenizer's first ids. It drafts with a smaller set (engine.train.common.drafting_vocabulary)."""
     ids = torch.cat([torch.arange(first_ids)] + [torch.cat([s.ids.long(), s.top_ids[:, :top].long().flatten()])
                                                  for s in seqs])
     ids = torch.unique(ids)
@@ -235,7 +238,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
                                                       ("steps_run", "batch_positions", "lr", "train_s", "final_loss")}
                                                      | {"command": card.get("command")}]
     module.train()
-    vocab = drafting_vocabulary(train, target.vocab_size)
+    vocab = training_vocabulary(train, target.vocab_size)
     to_vocab = torch.full((target.vocab_size,), -1, dtype=torch.long)
     to_vocab[vocab] = torch.arange(len(vocab))
     weight = target.model.get_output_embeddings().weight.detach()[vocab].float()  # (S, H), frozen
@@ -306,10 +309,6 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
     }
     save_weights(out, trained_state(module), card)
-    save_vocabulary(out, vocab)
-    card["draft_vocabulary"] = {"file": "draft_vocabulary.safetensors", "tokens": int(len(vocab)), "first_ids": FIRST_IDS,
-                                "made_of": "the training sequences' tokens and the target's top-4 at every position, "
-                                           "plus the first ids"}
-    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    card["draft_vocabulary"] = write_vocabulary(out, answered(train), answered(evals.get("heldout", [])), target.vocab_size)
     ckpt.unlink(missing_ok=True)
     return card
