@@ -51,8 +51,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft-model, early-exit, mtp chains: end a chain after a draft whose own probability "
                         "is below this (0 = always draft k); exact either way")
     p.add_argument("--draft-vocab", choices=vocab.CHOICES, default=vocab.TRAINED,
-                   help="trained draft model / MTP heads: score only their shipped drafting vocabulary "
-                        "(trained, default) or every token (full); the output is the same")
+                   help="trained draft model / MTP drafters: score only their shipped drafting vocabulary and the "
+                        "request's own tokens (trained, default) or every token (full); the output is the same")
     p.add_argument(
         "--accept", choices=[r.value for r in AcceptRule], default=AcceptRule.EXACT.value,
         help="acceptance rule: exact (default) or typical (LOSSY, for teaching)",

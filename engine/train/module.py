@@ -6,7 +6,7 @@ modules: with h^0 the target's final hidden states and x the sequence,
 
     h^d_i = Module(h^{d-1}_i, x_{i+d})   at position id i + d, causal attention over rows <= i,
 
-and the logits of h^d_i (the target's LM head over the drafting vocabulary) learn the target's
+and the logits of h^d_i (the target's LM head over the training vocabulary) learn the target's
 own next-token distribution for x_{i+d+1}: a cross-entropy against the target's top-K logits
 there, renormalised (self-distillation). Only rows whose x_{i+d+1} is in the answer count.
 
@@ -109,7 +109,7 @@ def unroll(module, ids: torch.Tensor, hidden: torch.Tensor, depths: int):
 
 
 def _soft_targets(top_ids: torch.Tensor, top_logits: torch.Tensor, to_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-K distribution renormalised over the tokens the drafting vocabulary
+    """The target's top-K distribution renormalised over the tokens the training vocabulary
     holds: (N, K) indices into the vocabulary (0 where dropped) and (N, K) probabilities."""
     index = to_vocab[top_ids]  # (N, K), -1 outside the vocabulary
     logits = top_logits.masked_fill(index < 0, float("-inf"))
