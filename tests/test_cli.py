@@ -58,6 +58,8 @@ def test_human_output_streams_text_and_summary():
         (["--prompt", "hi", "--k", "17", "--method", "prompt-lookup"], "draft length"),
         (["--prompt", "hi", "--model", "/no/such/folder-or-model"], "unknown model"),
         (["--prompt", "hi", "--method", "teleport"], "unknown method"),
+        (["--prompt", "hi", "--method", "mtp", "--lookup-first", "-2"], "lookup-first must be"),
+        (["--prompt", "hi", "--method", "prompt-lookup", "--lookup-first", "2"], "lookup-first is for drafters"),
         (["--prompt-file", "/no/such/file.txt"], "cannot read prompt file"),
         (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int"),
     ],

@@ -100,6 +100,38 @@ def test_a_confidence_stop_shortens_chains_and_keeps_greedy_output(target, tmp_p
         DrafterSpec("mtp", draft_stop=1.0)
 
 
+@pytest.mark.parametrize("tree", [None, "small"])
+def test_lookup_first_copies_where_the_context_repeats_and_the_module_drafts_elsewhere(target, tmp_path, tree):
+    """lookup_first = 2: a step whose context ends in an earlier 2- or 3-gram drafts what
+    followed it (one-hot, no drafter alternatives), every other step is the module's (a chain
+    or a tree); the output is plain greedy decoding either way."""
+    from engine.drafters.prompt_lookup import find_candidates
+
+    folder = module_folder(target, tmp_path / "module")
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, ignore_eos=True)))
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), lookup_first=2, ngram_max=3, tree=tree))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
+    assert tokens_of(events) == plain
+    context, copied = list(PROMPT), []
+    for e in (e for e in events if isinstance(e, Step)):
+        if e.index > 0 and e.k > 0:  # (the last step has no room for drafts)
+            copy = find_candidates(context, 4, 3, 2)
+            copied.append(bool(copy))
+            if copy:
+                assert list(e.draft_token_ids) == copy[:len(e.draft_token_ids)] and not e.draft_parents
+                assert set(e.draft_probs) <= {1.0} and e.draft_top == ()
+            else:
+                assert e.draft_top and e.drafter == "mtp" and bool(e.draft_parents) == (tree is not None)
+        context += [t.token_id for t in e.emitted]
+    assert any(copied) and not all(copied)
+    assert (drafter.looked_up, drafter.drafted) == (sum(copied), len(copied) - sum(copied))
+    for bad in (-1, 17):
+        with pytest.raises(InputError, match="lookup-first"):
+            DrafterSpec("mtp", lookup_first=bad)
+    with pytest.raises(InputError, match="lookup-first is for drafters that run a model"):
+        build_drafter(target, DrafterSpec("prompt-lookup", lookup_first=2))
+
+
 def test_module_loads_in_the_targets_dtype_and_refuses_another_target(target, tmp_path, tiny_draft):
     folder = module_folder(target, tmp_path / "module")
     bf16 = load_model(target.spec, dtype="bfloat16")

@@ -7,7 +7,9 @@ side by side in one run:
 "draft-model:vocab=full" / "mtp:vocab=full" (score every token instead of the shipped drafting
 vocabulary), "mtp:kind=heads" / "mtp:kind=module" (Medusa-style heads or the DeepSeek-style MTP
 module, where "mtp" takes the module for a chain when one is shipped), "mtp:stop=0.3" (also
-draft-model, early-exit: a chain ends after a draft whose own probability is below 0.3). Two variants apply to every method and change the target, not the drafter:
+draft-model, early-exit: a chain ends after a draft whose own probability is below 0.3),
+"mtp:lookup=3" (also draft-model, early-exit: prompt lookup first, where the context's last 3
+tokens occurred before; the drafter elsewhere). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
 "baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
 batch-invariant ones, engine.invariant). Methods are checked before any timing starts: an unregistered drafter, an unknown
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.drafters import DrafterSpec, build_drafter, drafter_names
-from engine.drafters.base import check_stop
+from engine.drafters.base import LOOKUP_DRAFTERS, check_lookup, check_stop
 from engine.drafters.mtp import MTP_KINDS
 from engine.drafters.vocab import check_choice
 from engine.errors import InputError
@@ -49,7 +51,7 @@ class DrafterOptions:
 
 
 VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
-            "stop": ("mtp", "draft-model", "early-exit")}  # setting -> the drafters that read it
+            "stop": ("mtp", "draft-model", "early-exit"), "lookup": LOOKUP_DRAFTERS}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 
 
@@ -85,6 +87,11 @@ def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]
             return {"draft_stop": check_stop(float(value))}
         except ValueError:
             raise InputError(f"method {method!r}: stop must be a probability in [0, 1)") from None
+    if key == "lookup":
+        try:
+            return {"lookup_first": check_lookup(int(value))}
+        except ValueError:
+            raise InputError(f"method {method!r}: lookup must be an n-gram length") from None
     return {}  # a target variant (target_settings)
 
 
@@ -97,6 +104,8 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
     (('draft-model', {'draft_vocab': 'full'}), ('baseline', {}))
     >>> split_method("mtp:stop=0.3"), split_method("mtp:kind=module:tree=dynamic-8")
     (('mtp', {'draft_stop': 0.3}), ('mtp', {'mtp_kind': 'module', 'tree': 'dynamic-8'}))
+    >>> split_method("mtp:lookup=3:stop=0.4")
+    ('mtp', {'lookup_first': 3, 'draft_stop': 0.4})
     """
     name, pairs = _variants(method)
     fields: dict = {}

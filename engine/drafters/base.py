@@ -84,15 +84,34 @@ class DrafterSpec:
     # after it even less, so stopping saves their drafting time. Exact: which drafts are proposed
     # never changes what the acceptance rule emits.
     draft_stop: float = 0.0
+    # draft-model, early-exit, mtp: n > 0 looks for an earlier occurrence of the context's last
+    # n..max(n, ngram_max) tokens before each step; where one is found, what followed it is the
+    # draft (prompt lookup, no model run) and the drafter sits the step out; 0: off. Copy-heavy
+    # text (summaries, retrieved passages, code edits) repeats long spans a model drafter guesses
+    # token by token. Exact: the drafts are one-hot, the standard acceptance rule applies.
+    lookup_first: int = 0
 
     def __post_init__(self) -> None:
         check_stop(self.draft_stop)
+        check_lookup(self.lookup_first)
 
 
 def check_stop(value: float) -> float:
     if not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
         raise InputError(f"draft stop must be a probability in [0, 1) (got {value!r})")
     return float(value)
+
+
+LOOKUP_MAX = 16  # the longest n-gram lookup_first may ask for (prompt_lookup.MAX_NGRAM)
+
+
+def check_lookup(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= LOOKUP_MAX:
+        raise InputError(f"lookup-first must be an n-gram length in 1..{LOOKUP_MAX}, or 0 for off (got {value!r})")
+    return value
+
+
+LOOKUP_DRAFTERS = ("draft-model", "early-exit", "mtp")  # drafters that run a model: lookup_first can spare them a step
 
 
 DrafterFactory = Callable[[LoadedModel, DrafterSpec], Drafter]
@@ -118,4 +137,12 @@ def build_drafter(target: LoadedModel, spec: DrafterSpec) -> Drafter | None:
     factory = _REGISTRY.get(spec.method)
     if factory is None:
         raise InputError(f"unknown method {spec.method!r} (baseline, {', '.join(_REGISTRY)})")
-    return factory(target, spec)
+    if spec.lookup_first and spec.method not in LOOKUP_DRAFTERS:
+        raise InputError(f"lookup-first is for drafters that run a model ({', '.join(LOOKUP_DRAFTERS)}), "
+                         f"not {spec.method}")
+    drafter = factory(target, spec)
+    if spec.lookup_first:
+        from engine.drafters.prompt_lookup import LookupFirst
+
+        drafter = LookupFirst(drafter, spec.lookup_first, max(spec.lookup_first, spec.ngram_max))
+    return drafter

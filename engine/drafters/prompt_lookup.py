@@ -56,6 +56,33 @@ class PromptLookupDrafter:
         """Stateless: the context is searched afresh each step."""
 
 
+class LookupFirst:
+    """Another drafter, with prompt lookup tried first (DrafterSpec.lookup_first): where the
+    context's last n..ngram_max tokens occurred before, the step drafts what followed them and
+    the drafter does not run; elsewhere the drafter drafts. It is told every step either way
+    (observe), so its caches stay in step. Its name and trees are the drafter's."""
+
+    def __init__(self, drafter, ngram_min: int, ngram_max: int):
+        self.drafter = drafter
+        self.name = drafter.name
+        self.ngram_min, self.ngram_max = ngram_min, min(ngram_max, MAX_NGRAM)
+        self.looked_up = self.drafted = 0  # steps each source proposed
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig, rng: torch.Generator) -> DraftProposal:
+        ids = find_candidates(context, k, self.ngram_max, self.ngram_min)
+        if ids:
+            self.looked_up += 1
+            return DraftProposal(torch.tensor(ids, dtype=torch.long), None, {"source": "prompt lookup"})
+        self.drafted += 1
+        return self.drafter.propose(context, k, sampling, rng)
+
+    def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
+        self.drafter.observe(context, accepted, hidden)
+
+    def __getattr__(self, attr: str):  # the drafter's own attributes (tree, layers, ...)
+        return getattr(self.__dict__["drafter"], attr)
+
+
 @register("prompt-lookup")
 def _build(target: LoadedModel, spec: DrafterSpec) -> PromptLookupDrafter:
     return PromptLookupDrafter(spec.ngram_max, spec.ngram_min)
