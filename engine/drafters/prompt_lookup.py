@@ -60,7 +60,7 @@ class LookupFirst:
     """Another drafter, with prompt lookup tried first (DrafterSpec.lookup_first): where the
     context's last n..ngram_max tokens occurred before, the step drafts what followed them and
     the drafter does not run; elsewhere the drafter drafts. It is told every step either way
-    (observe), so its caches stay in step. Its name and trees are the drafter's."""
+    (observe), so its caches stay in step. Its name is the drafter's."""
 
     def __init__(self, drafter, ngram_min: int, ngram_max: int):
         self.drafter = drafter
@@ -78,9 +78,6 @@ class LookupFirst:
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
         self.drafter.observe(context, accepted, hidden)
-
-    def __getattr__(self, attr: str):  # the drafter's own attributes (tree, layers, ...)
-        return getattr(self.__dict__["drafter"], attr)
 
 
 @register("prompt-lookup")

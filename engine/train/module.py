@@ -38,7 +38,7 @@ from engine.models import LoadedModel, cache_root
 from engine.mtp.module import KIND, build_module, trained_state
 from engine.errors import InputError
 from engine.mtp.weights import load_weights, read_card_for, save_weights
-from engine.train.common import answered, budget_steps, cosine_lr, seed_everything, write_vocabulary
+from engine.train.common import answered, budget_steps, cosine_lr, seed_everything, train_vocabulary, write_vocabulary
 from engine.train.corpus import Sequence, corpus_stats
 
 
@@ -63,9 +63,7 @@ def training_vocabulary(seqs: list[Sequence], vocab_size: int, top: int = 4, fir
     """The tokens the module's training softmax runs over (the full vocabulary costs too much on a
     small CPU): every token of the training sequences, the target's top-`top` at every position,
     and the tokenizer's first ids. It drafts with a smaller set (engine.train.common.drafting_vocabulary)."""
-    ids = torch.cat([torch.arange(first_ids)] + [torch.cat([s.ids.long(), s.top_ids[:, :top].long().flatten()])
-                                                 for s in seqs])
-    ids = torch.unique(ids)
+    ids = torch.unique(torch.cat([train_vocabulary(seqs, top), torch.arange(first_ids)]))
     return ids[ids < vocab_size]
 
 
