@@ -119,7 +119,7 @@ def test_lookup_first_copies_where_the_context_repeats_and_the_module_drafts_els
             copied.append(bool(copy))
             if copy:
                 assert list(e.draft_token_ids) == copy[:len(e.draft_token_ids)] and not e.draft_parents
-                assert set(e.draft_probs) <= {1.0} and e.draft_top == ()
+                assert set(e.draft_probs) <= {1.0} and e.draft_top == () and e.drafter == "prompt-lookup"
             else:
                 assert e.draft_top and e.drafter == "mtp" and bool(e.draft_parents) == (tree is not None)
         context += [t.token_id for t in e.emitted]
@@ -243,6 +243,7 @@ def test_splits_are_disjoint_and_the_draw_extends():
     assert len(train) + len(held) == 14106 and len(held) == -(-14106 // HELDOUT_EVERY)
     assert not {t for _, _, t in train} & {t for _, _, t in held}
     assert drawn("train", 50, 0)[:20] == drawn("train", 20, 0)  # a larger draw extends a smaller one
+    assert drawn("self", 30, 0) == read_split("self")[:30]  # appended files: file order, so growing one extends the draw
     spec = read_split("spec-bench")
     assert len(spec) == 240 and not {t for _, _, t in spec} & {t for _, _, t in train}
     with pytest.raises(InputError, match="unknown corpus split"):

@@ -95,10 +95,17 @@ def read_split(split: str) -> list[tuple[str, str, str]]:
     return [(f"{split}/{i}", r["source"], r["text"]) for i, r in enumerate(rows) if (i % HELDOUT_EVERY == 0) == held]
 
 
+GROWN_SPLITS = ("self", "tasks")  # files that are extended by appending, their rows already in random order
+
+
 def drawn(split: str, n: int, seed: int) -> list[tuple[str, str, str]]:
-    """The first n prompts of the split's seeded order (a larger n extends a smaller one)."""
+    """The first n prompts of the split's seeded order (a larger n extends a smaller one). The
+    self-written and task requests are drawn in file order: their rows are sampled or made in
+    random order already, and the files grow by appending, so a longer file still extends the
+    same draw (and its committed answers still serve)."""
     rows = read_split(split)
-    random.Random(f"{split}:{seed}").shuffle(rows)
+    if split not in GROWN_SPLITS:
+        random.Random(f"{split}:{seed}").shuffle(rows)
     return rows[:n] if n else rows
 
 
