@@ -314,7 +314,7 @@ def generate(
         parent_rows = range(drafted) if parents is None else [p + 1 for p in parents]
         record = Step(
             index=step_index,
-            drafter=drafter_name,
+            drafter=(proposal.source if proposal is not None and proposal.source else drafter_name),
             k=drafted,
             draft_token_ids=tuple(draft_list),
             draft_texts=tuple(target.token_text(t) for t in draft_list),

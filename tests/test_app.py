@@ -106,6 +106,21 @@ def test_compare_runs_baseline_then_speculative_and_greedy_outputs_are_identical
         client.predict(api_name="/compare", **dict(SETTINGS, method="baseline"))
 
 
+def test_prompt_lookup_first_and_the_draft_stop_are_settings_and_lookup_steps_say_so(client):
+    """mtp with lookup first = 1 on a chat prompt: some steps copy (the readout counts them and
+    each such step names prompt lookup as its drafter), the module drafts the rest, and with a
+    draft stop too the greedy text equals plain decoding's."""
+    client.predict(api_name="/reset")
+    mixed = dict(SETTINGS, prompt="Name three colors and say why you like them.", method="mtp", lookup_first=1,
+                 draft_stop=0.3, max_new_tokens=24)
+    plain = client.predict(api_name="/run", speed_s=0, **dict(mixed, method="baseline", lookup_first=0))[OUTPUT_LINE]
+    shown = client.predict(api_name="/run", speed_s=0, **mixed)
+    line, stream, readout = shown[OUTPUT_LINE], shown[STREAM], shown[READOUT]
+    assert "prompt lookup drafted **" in readout and "mtp the rest" in readout, readout
+    assert "· prompt-lookup ·" in stream and "· mtp ·" in stream
+    assert line == plain  # greedy: the same text as plain decoding
+
+
 def test_a_scenario_button_sets_prompt_method_and_k_and_says_what_to_expect(client):
     from ui.scenarios import load_scenarios
 

@@ -12,6 +12,7 @@ import gradio as gr
 from engine.acceptance import AcceptRule
 from engine.decoding import MAX_K, DecodeConfig
 from engine.drafters import DrafterSpec, drafter_names
+from engine.drafters.base import LOOKUP_DRAFTERS
 from engine.errors import InputError
 from engine import metrics
 from engine.metrics import summary, verify_steps
@@ -84,7 +85,7 @@ class PlaygroundState:
 
 
 def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw,
-                  rule, tree, dtype="auto") -> RunRequest:
+                  rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0) -> RunRequest:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError("the prompt is empty: type something to continue")
     check_preset(preset)
@@ -103,7 +104,8 @@ def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p
     )
     decode = DecodeConfig(max_new_tokens=max_new, k=as_int(k, "k"), adaptive=bool(adaptive), sampling=sampling,
                           rule=AcceptRule(rule))
-    drafter = DrafterSpec(method, tree=None if tree == CHAIN else tree)
+    drafter = DrafterSpec(method, tree=None if tree == CHAIN else tree, lookup_first=as_int(lookup_first, "lookup first"),
+                          draft_stop=as_float(draft_stop, "draft stop"))
     return RunRequest(prompt=prompt, model=preset, raw=bool(raw), decode=decode, drafter=drafter, dtype=dtype)
 
 
@@ -131,6 +133,10 @@ def readout(session: RunSession, render_ms: float) -> str:
     if m["draft_acceptance_rate"] is not None:
         parts.append(f"draft acceptance rate **{m['draft_acceptance_rate']:.0%}**, "
                      f"**{m['mean_acceptance_length']:.2f}** tokens per step")
+    looked_up = sum(1 for s in session.steps if s.index > 0 and s.drafter not in (session.info.drafter, "none"))
+    if looked_up:  # lookup-first: some steps were prompt lookup's
+        parts.append(f"prompt lookup drafted **{looked_up}** of {m['target_steps'] - 1} steps, "
+                     f"{session.info.drafter} the rest")
     what = "target step" if plain or last.k == 0 else "draft + verify"
     parts.append(f"last step: {what} {1000 * (last.draft_s + last.verify_s):.0f} ms, render {render_ms:.1f} ms")
     if session.info.lossy:
@@ -352,10 +358,10 @@ def errors_in_place(outputs: int):
 
 @errors_in_place(SHOWN)
 def step(state, show_rejected, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens,
-         raw, rule, tree, dtype="auto"):
+         raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0):
     """One draft/verify round: the drafts appear, then the verdict."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree, dtype)
+                tree, dtype, lookup_first, draft_stop)
     state = _session_for(state, settings)
     record = state.session.advance()
     if record is not None and record.k > 0:
@@ -366,10 +372,10 @@ def step(state, show_rejected, prompt, preset, method, k, adaptive, temperature,
 
 @errors_in_place(SHOWN)
 def play(state, speed_s, show_rejected, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed,
-         max_new_tokens, raw, rule, tree, dtype="auto"):
+         max_new_tokens, raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0):
     """Stream rounds live; speed_s is the pause between rounds (0: as fast as the model goes)."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree, dtype)
+                tree, dtype, lookup_first, draft_stop)
     state = _session_for(state, settings)
     pause = max(0.0, min(2.0, as_float(speed_s, "speed")))
     while state.session.advance() is not None:
@@ -389,13 +395,13 @@ def _live_side(c: Comparison, run: RunSession, label: str, show_rejected: bool):
 
 @errors_in_place(SHOWN + COMPARED)
 def compare(state, rounds, show_rejected, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed,
-            max_new_tokens, raw, rule, tree, dtype="auto"):
+            max_new_tokens, raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0):
     """Plain decoding, then speculative decoding, on the same prompt, `rounds` times in alternating
     order; the first round streams live. Then the verdict (medians over the rounds: tokens/s,
     speedup, tokens per step, identical or not, and why it won or lost), and the first round's
     speculative run becomes the current run (verify table, charts, trace)."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree, dtype)
+                tree, dtype, lookup_first, draft_stop)
     if method == "baseline":
         raise InputError("choose a drafter as the method: it is compared with the baseline")
     n = as_int(rounds, "compare rounds")
@@ -493,7 +499,8 @@ def scenario_values(scenario: Scenario) -> dict:
     """The settings a scenario button sets (the model preset and dtype stay as chosen)."""
     return {"prompt": scenario.prompt, "method": scenario.method, "k": scenario.k, "adaptive": False,
             "temperature": scenario.temperature, "top_k": 0, "top_p": 1.0, "seed": 0,
-            "max_new_tokens": scenario.max_new_tokens, "raw": False, "rule": AcceptRule.EXACT.value, "tree": CHAIN}
+            "max_new_tokens": scenario.max_new_tokens, "raw": False, "rule": AcceptRule.EXACT.value, "tree": CHAIN,
+            "lookup_first": 0, "draft_stop": 0.0}
 
 
 def expectation(scenario: Scenario) -> str:
@@ -501,7 +508,7 @@ def expectation(scenario: Scenario) -> str:
 
 
 SCENARIO_FIELDS = ("prompt", "method", "k", "adaptive", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
-                   "raw", "rule", "tree")
+                   "raw", "rule", "tree", "lookup_first", "draft_stop")
 
 
 def choose_scenario(scenario: Scenario):
@@ -544,6 +551,14 @@ def build_playground():
                 raw = gr.Checkbox(False, label="raw text (no chat template)")
                 rule = gr.Radio([r.value for r in AcceptRule], value="exact", label="acceptance (typical is LOSSY)")
             tree = gr.Dropdown(tree_choices(), value=CHAIN, label="MTP tree shape (mtp, greedy only)", elem_id="tree")
+            with gr.Row():
+                lookup_first = gr.Slider(0, 4, value=0, step=1, label="prompt lookup first (n-gram length, 0 = off)",
+                                         info=f"{', '.join(LOOKUP_DRAFTERS)}: where the last n tokens occurred before, "
+                                              "copy what followed them and skip the model this step",
+                                         elem_id="lookup-first")
+                draft_stop = gr.Slider(0, 0.9, value=0, step=0.05, label="draft stop (confidence, 0 = off)",
+                                       info="draft-model, early-exit, mtp chains: end the chain after a draft "
+                                            "the drafter gives less than this probability", elem_id="draft-stop")
             dtype = gr.Dropdown(list(DTYPE_CHOICES), value="auto", elem_id="dtype",
                                 label="target dtype (auto: the fastest exact one on this machine)")
             with gr.Row():
@@ -600,7 +615,8 @@ def build_playground():
 
     fields = {"prompt": prompt, "preset": preset, "method": method, "k": k, "adaptive": adaptive,
               "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "max_new_tokens": max_new,
-              "raw": raw, "rule": rule, "tree": tree, "dtype": dtype}
+              "raw": raw, "rule": rule, "tree": tree, "dtype": dtype, "lookup_first": lookup_first,
+              "draft_stop": draft_stop}
     settings = list(fields.values())
     shown = [state, verdict_card, output_line, stream, info, table, top, residual, tree_plot]
     compared = [base_stream, spec_stream, compare_info]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -18,7 +18,9 @@ from engine.sampling import SamplingConfig
 class DraftProposal:
     token_ids: torch.Tensor  # (k',) drafted tokens, k' <= k (a drafter may find nothing to propose)
     probs: torch.Tensor | None  # (k', V) draft_probs after the shared transform; None: one-hot
-    extra: dict = field(default_factory=dict)  # drafter-specific detail kept in the trace
+    # who proposed these drafts when not the run's own drafter (LookupFirst's lookups:
+    # "prompt-lookup"); the step's record names it as its drafter. "": the run's drafter
+    source: str = ""
     # a tree of drafts (engine.mtp.tree): parents[i] is draft i's parent, -1 the last context
     # token; None: a chain. Trees are verified greedily.
     parents: tuple[int, ...] | None = None

@@ -72,7 +72,7 @@ class LookupFirst:
         ids = find_candidates(context, k, self.ngram_max, self.ngram_min)
         if ids:
             self.looked_up += 1
-            return DraftProposal(torch.tensor(ids, dtype=torch.long), None, {"source": "prompt lookup"})
+            return DraftProposal(torch.tensor(ids, dtype=torch.long), None, source="prompt-lookup")
         self.drafted += 1
         return self.drafter.propose(context, k, sampling, rng)
 
