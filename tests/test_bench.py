@@ -149,6 +149,8 @@ def test_sampling_bench_has_no_identical_flags(tiny_target, sets, capsys):
     (["--methods", "mtp:kind=module:tree=small:kind=heads"], "sets kind twice"),
     (["--methods", "mtp:kind=module:ngram=3"], "unknown variant 'ngram=3'"),
     (["--methods", "mtp:kind=module:tree=bushy"], "unknown tree shape 'bushy'"),
+    (["--methods", "mtp:draft=/no/such/module"], "method mtp:draft=/no/such/module:"),
+    (["--methods", "prompt-lookup:draft=x"], "unknown variant 'draft=x'"),
     (["--repeats", "0"], "repeats must be in"),
     (["--prompts", "no-such-set"], "unknown prompt set"),
     (["--k", "0"], "draft length"),

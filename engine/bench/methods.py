@@ -9,7 +9,9 @@ vocabulary), "mtp:kind=heads" / "mtp:kind=module" (Medusa-style heads or the Dee
 module, where "mtp" takes the module for a chain when one is shipped), "mtp:stop=0.3" (also
 draft-model, early-exit: a chain ends after a draft whose own probability is below 0.3),
 "mtp:lookup=3" (also draft-model, early-exit: prompt lookup first, where the context's last 3
-tokens occurred before; the drafter elsewhere). Two variants apply to every method and change the target, not the drafter:
+tokens occurred before; the drafter elsewhere), "mtp:draft=FOLDER" (also draft-model: other trained
+weights than the shipped ones, say an earlier module beside a retrained one; a path without
+colons). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
 "baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
 batch-invariant ones, engine.invariant). Methods are checked before any timing starts: an unregistered drafter, an unknown
@@ -51,7 +53,8 @@ class DrafterOptions:
 
 
 VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
-            "stop": ("mtp", "draft-model", "early-exit"), "lookup": LOOKUP_DRAFTERS}  # setting -> the drafters that read it
+            "stop": ("mtp", "draft-model", "early-exit"), "lookup": LOOKUP_DRAFTERS,
+            "draft": ("mtp", "draft-model")}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 
 
@@ -92,6 +95,8 @@ def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]
             return {"lookup_first": check_lookup(int(value))}
         except ValueError:
             raise InputError(f"method {method!r}: lookup must be an n-gram length") from None
+    if key == "draft":
+        return {"draft": value}  # built (and a missing folder reported) before the run: check_buildable
     return {}  # a target variant (target_settings)
 
 
@@ -104,8 +109,8 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
     (('draft-model', {'draft_vocab': 'full'}), ('baseline', {}))
     >>> split_method("mtp:stop=0.3"), split_method("mtp:kind=module:tree=dynamic-8")
     (('mtp', {'draft_stop': 0.3}), ('mtp', {'mtp_kind': 'module', 'tree': 'dynamic-8'}))
-    >>> split_method("mtp:lookup=3:stop=0.4")
-    ('mtp', {'lookup_first': 3, 'draft_stop': 0.4})
+    >>> split_method("mtp:lookup=3:stop=0.4"), split_method("mtp:draft=runs/module-a")
+    (('mtp', {'lookup_first': 3, 'draft_stop': 0.4}), ('mtp', {'draft': 'runs/module-a'}))
     """
     name, pairs = _variants(method)
     fields: dict = {}
