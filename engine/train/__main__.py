@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--model", default="embedded", help="preset name or local folder of the target")
     tasks.add_argument("--count", type=int, default=800, help="requests written (half of each kind)")
     tasks.add_argument("--seed", type=int, default=0)
+    tasks.add_argument("--from-self", type=int, default=0,
+                       help="texts from the answers to the first N self-written requests only (0: all)")
     tasks.add_argument("--answers-dir", default=str(ANSWERS_DIR), help="the answers read")
     tasks.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     module = sub.add_parser("mtp-module", help="train the DeepSeek-style MTP module")
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "task-prompts":
         try:
             target = load_model(args.model, device="cpu", dtype="bfloat16", kernels="stock")
-            print(f"{TASK_PROMPTS}: " + json.dumps(build_task_prompts(target, args.count, Path(args.answers_dir), args.seed)))
+            print(f"{TASK_PROMPTS}: " + json.dumps(build_task_prompts(target, args.count, Path(args.answers_dir), args.seed,
+                                                                             from_self=args.from_self)))
         except InputError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -14,8 +14,9 @@ request formats:
   that one of them answered (a question: it ends with "?"), as Spec-Bench's RAG questions
   follow their retrieved passages.
 
-`python -m engine.train task-prompts --count N` writes engine/train/task_prompts.jsonl (seeded,
-deterministic given the answers); `mtp-module --task-prompts N` trains on the target's answers
+`python -m engine.train task-prompts --count N [--from-self M]` writes engine/train/task_prompts.jsonl
+(seeded, deterministic given the answers to the first M self-written requests; the shipped file:
+`--count 800 --from-self 1205`); `mtp-module --task-prompts N` trains on the target's answers
 to N of them (split "tasks"). A request sharing a 13-word run with a Spec-Bench question is
 dropped (the benchmark stays unseen). The texts are the embedded SmolLM2's output (Apache-2.0)
 on prompts under the licences in DATA.md.
@@ -42,13 +43,17 @@ def read_task_prompts(path: Path = TASK_PROMPTS) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
-def answered_texts(target: LoadedModel, answers_dir: Path) -> list[tuple[str, str, str]]:
-    """(key, request, answer text) of every committed answer to a self-written request, in key
-    order; answers under MIN_WORDS words are left out."""
+SHIPPED_FROM_SELF = 1205  # task_prompts.jsonl was made from the first 1,205 self-written requests (all there were then)
+
+
+def answered_texts(target: LoadedModel, answers_dir: Path, from_self: int = 0) -> list[tuple[str, str, str]]:
+    """(key, request, answer text) of every committed answer to a self-written request (of the
+    first `from_self` of them; 0: all), in key order; answers under MIN_WORDS words are left out."""
     from engine.train.corpus import AnswerStore, CorpusConfig, read_split
 
     store = AnswerStore(answers_dir, target, CorpusConfig())
-    requests = {key: text for split in ("self",) for key, _, text in read_split(split)}
+    rows = read_split("self")
+    requests = {key: text for key, _, text in (rows[:from_self] if from_self else rows)}
     out = []
     for key in sorted(store.rows):
         if key not in requests:
@@ -91,8 +96,8 @@ def make_task_prompts(texts: list[tuple[str, str, str]], count: int, seed: int =
 
 
 def build_task_prompts(target: LoadedModel, count: int, answers_dir: Path, seed: int = 0,
-                       path: Path = TASK_PROMPTS) -> dict:
-    texts = answered_texts(target, answers_dir)
+                       path: Path = TASK_PROMPTS, from_self: int = 0) -> dict:
+    texts = answered_texts(target, answers_dir, from_self)
     rows = make_task_prompts(texts, count, seed)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     kinds: dict[str, int] = {}
