@@ -500,7 +500,7 @@ def scenario_values(scenario: Scenario) -> dict:
     return {"prompt": scenario.prompt, "method": scenario.method, "k": scenario.k, "adaptive": False,
             "temperature": scenario.temperature, "top_k": 0, "top_p": 1.0, "seed": 0,
             "max_new_tokens": scenario.max_new_tokens, "raw": False, "rule": AcceptRule.EXACT.value, "tree": CHAIN,
-            "lookup_first": 0, "draft_stop": 0.0}
+            "lookup_first": scenario.lookup_first, "draft_stop": scenario.draft_stop}
 
 
 def expectation(scenario: Scenario) -> str:

@@ -11,7 +11,8 @@ import yaml
 
 from engine.bench.prompts import SPEC_BENCH_CATEGORIES, spec_bench
 from engine.decoding import MAX_K
-from engine.drafters import drafter_names
+from engine.drafters import DrafterSpec, drafter_names
+from engine.drafters.base import LOOKUP_DRAFTERS
 from engine.errors import InputError
 
 SCENARIOS_FILE = Path(__file__).with_name("scenarios.yaml")
@@ -29,6 +30,12 @@ class Scenario:
     temperature: float
     expect: str  # what the learner should see, shown when the button is pressed
     prompt: str
+    # optional: the model drafters' confidence stop and prompt lookup first (0: off)
+    draft_stop: float = 0.0
+    lookup_first: int = 0
+
+
+OPTIONAL = ("draft_stop", "lookup_first")
 
 
 def parse_scenarios(data: object, where: str = "scenarios") -> tuple[Scenario, ...]:
@@ -38,8 +45,9 @@ def parse_scenarios(data: object, where: str = "scenarios") -> tuple[Scenario, .
     out = []
     for i, item in enumerate(data["scenarios"]):
         name = f"{where}[{i}]"
-        if not isinstance(item, dict) or set(item) != set(Scenario.__dataclass_fields__):
-            raise InputError(f"{name}: needs exactly the fields {', '.join(Scenario.__dataclass_fields__)}")
+        required = [f for f in Scenario.__dataclass_fields__ if f not in OPTIONAL]
+        if not isinstance(item, dict) or not set(required) <= set(item) <= set(Scenario.__dataclass_fields__):
+            raise InputError(f"{name}: needs exactly the fields {', '.join(required)} (optional: {', '.join(OPTIONAL)})")
         if any(not isinstance(item[f], str) or not item[f].strip() for f in ("id", "label", "expect", "prompt")):
             raise InputError(f"{name}: id, label, expect and prompt must be non-empty strings")
         if item["method"] not in ("baseline", *drafter_names()):
@@ -50,6 +58,12 @@ def parse_scenarios(data: object, where: str = "scenarios") -> tuple[Scenario, .
             raise InputError(f"{name}: max_new_tokens must be a positive whole number")
         if not isinstance(item["temperature"], (int, float)) or item["temperature"] < 0:
             raise InputError(f"{name}: temperature must be >= 0")
+        try:
+            DrafterSpec(item["method"], draft_stop=item.get("draft_stop", 0.0), lookup_first=item.get("lookup_first", 0))
+        except InputError as err:
+            raise InputError(f"{name}: {err}") from None
+        if item.get("lookup_first") and item["method"] not in LOOKUP_DRAFTERS:
+            raise InputError(f"{name}: lookup_first is for {', '.join(LOOKUP_DRAFTERS)}")
         out.append(Scenario(**{**item, "temperature": float(item["temperature"])}))
     if len({s.id for s in out}) != len(out):
         raise InputError(f"{where}: scenario ids must be unique")
