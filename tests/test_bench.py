@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from engine.bench.gate import permutation_test, tv_per_position
 from engine.bench.prompts import builtin_sets, load_prompts

@@ -5,7 +5,7 @@ import torch
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
-from engine.models import cache_root, choose_dtype, gguf_path, load_model, presets, resolve_local
+from engine.models import cache_root, choose_dtype, gguf_path, presets, resolve_local
 from engine.trace import Step
 
 pytestmark = pytest.mark.embedded

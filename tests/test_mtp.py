@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from engine.acceptance import AcceptRule, TokenKind
+from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig, generate, rollback, verify
 from engine.drafters import DraftProposal, DrafterSpec, build_drafter
 from engine.drafters.draft_model import DraftModelDrafter

@@ -161,7 +161,6 @@ def bench_report(cfg: BenchConfig, result: BenchRun, command: str, machine: dict
     for r in records:
         if r.implementation == "engine" and base_name(r.method) == BASELINE and r.repeat == 0:
             outputs.setdefault(r.method, {})[r.prompt] = r.output_token_ids
-    base_outputs = outputs[BASELINE]
     step_gaps = [gap for r in base for gap in itl_per_step_s(r.trace.steps)]
     baseline_step_s = statistics.median(step_gaps) if step_gaps else None
     dtype = str(target.dtype).removeprefix("torch.")

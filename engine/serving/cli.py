@@ -179,7 +179,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
               f"{_fmt(row['long.ttft_ms_p50_median']):>12}{_fmt(row['ttft_ms_p50_later_median']):>12}"
               f"{_pct(row['prefix_cache.reused_share_median']):>8}{_fmt(row['prefix_cache.prefill_cost_median'], 2):>6}"
               f"{_fmt(row['output_tokens_per_s_median']):>8}")
-    print(f"\nTTFT ms by request (median of the repeats) / reused prompt tokens")
+    print("\nTTFT ms by request (median of the repeats) / reused prompt tokens")
     print(f"{'request':<14}{'prompt':>7}" + "".join(f"{row['run']:>26}" for row in rows))
     for rid, req in rows[0]["by_request"].items():
         print(f"{rid:<14}{req['prompt_tokens']:>7}" + "".join(
