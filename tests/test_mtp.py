@@ -423,6 +423,13 @@ def _trained_drafters_are_exact(target, folder, tree: str) -> list[int]:
     return plain
 
 
+def _tiny_set(folder) -> object:
+    """A bench prompt set of two raw prompts in the tiny vocabulary (tests/tiny.py)."""
+    path = folder / "tiny.yaml"
+    path.write_text("name: tiny\nraw: true\nprompts:\n  - id: repeat\n    text: w1 w2 w3 w4 w1 w2 w3 w4\n")
+    return path
+
+
 def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     """Self-distillation, both trainers, their cards, and the drafters built from what they
     wrote: greedy output still identical to plain decoding."""
@@ -449,6 +456,18 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     draft = load_model(f"distilled:{tmp_path / 'draft'}")
     assert draft.model.model.embed_tokens is target.model.model.embed_tokens  # shared, not copied
     assert draft.model.config.num_hidden_layers == 2
+    # the bench runs weights other than the shipped ones side by side: a method names the folder
+    from engine.bench.methods import split_method
+    from engine.cli import main as engine_main
+
+    assert split_method(f"draft-model:draft={tmp_path / 'draft'}")[1] == {"draft": f"distilled:{tmp_path / 'draft'}"}
+    assert split_method(f"draft-model:draft={tmp_path / 'heads'}")[1] == {"draft": str(tmp_path / "heads")}  # not a draft model
+    out = tmp_path / "bench"
+    methods = f"baseline,draft-model:draft={tmp_path / 'draft'},mtp:draft={tmp_path / 'heads'}"
+    assert engine_main(["bench", "--model", tiny_target, "--methods", methods, "--prompts", str(_tiny_set(tmp_path)),
+                        "--max-new-tokens", "6", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert rows.keys() == set(methods.split(",")) and all(r["identical_to_baseline"] for r in rows.values())
 
 
 def test_heads_and_draft_model_train_on_the_modules_corpus(tiny_target, tmp_path, monkeypatch):
