@@ -424,8 +424,19 @@ def _load_distilled(spec: str, device: str, dtype: str) -> LoadedModel:
 
 def resolve_draft(target_spec: str, draft: str | None) -> str:
     """The draft model for a run: the one asked for, else the default of the preset whose
-    name or target is target_spec."""
+    name or target is target_spec. A folder of distilled draft weights (its card says so) is
+    named as load_model names one: "distilled:<folder>"."""
     if draft:
+        from engine.mtp.distilled import KIND
+        from engine.mtp.weights import CARD_FILE
+
+        card = Path(draft) / CARD_FILE
+        if not draft.startswith(DISTILLED_PREFIX) and card.is_file():
+            try:
+                if json.loads(card.read_text()).get("kind") == KIND:
+                    return DISTILLED_PREFIX + draft
+            except (OSError, ValueError):
+                pass  # not a weights card: load_model reports what the folder is
         return draft
     for preset in presets().values():
         if target_spec in (preset.name, preset.target) and preset.draft:

@@ -424,7 +424,7 @@ def _trained_drafters_are_exact(target, folder, tree: str) -> list[int]:
 
 
 def _tiny_set(folder) -> object:
-    """A bench prompt set of two raw prompts in the tiny vocabulary (tests/tiny.py)."""
+    """A bench prompt set of one raw prompt in the tiny vocabulary (tests/tiny.py)."""
     path = folder / "tiny.yaml"
     path.write_text("name: tiny\nraw: true\nprompts:\n  - id: repeat\n    text: w1 w2 w3 w4 w1 w2 w3 w4\n")
     return path
@@ -456,12 +456,13 @@ def test_trainers_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     draft = load_model(f"distilled:{tmp_path / 'draft'}")
     assert draft.model.model.embed_tokens is target.model.model.embed_tokens  # shared, not copied
     assert draft.model.config.num_hidden_layers == 2
-    # the bench runs weights other than the shipped ones side by side: a method names the folder
-    from engine.bench.methods import split_method
+    # a folder of distilled weights is a draft model by its card (the CLI's --draft, the bench's
+    # draft=FOLDER variant: weights other than the shipped ones side by side)
     from engine.cli import main as engine_main
+    from engine.models import resolve_draft
 
-    assert split_method(f"draft-model:draft={tmp_path / 'draft'}")[1] == {"draft": f"distilled:{tmp_path / 'draft'}"}
-    assert split_method(f"draft-model:draft={tmp_path / 'heads'}")[1] == {"draft": str(tmp_path / "heads")}  # not a draft model
+    assert resolve_draft(tiny_target, str(tmp_path / "draft")) == f"distilled:{tmp_path / 'draft'}"
+    assert resolve_draft(tiny_target, str(tmp_path / "heads")) == str(tmp_path / "heads")  # not a draft model
     out = tmp_path / "bench"
     methods = f"baseline,draft-model:draft={tmp_path / 'draft'},mtp:draft={tmp_path / 'heads'}"
     assert engine_main(["bench", "--model", tiny_target, "--methods", methods, "--prompts", str(_tiny_set(tmp_path)),

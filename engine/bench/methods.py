@@ -21,18 +21,13 @@ halfway through a run.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from engine.drafters import DrafterSpec, build_drafter, drafter_names
 from engine.drafters.base import LOOKUP_DRAFTERS, check_lookup, check_stop
 from engine.drafters.mtp import MTP_KINDS
 from engine.drafters.vocab import check_choice
 from engine.errors import InputError
-from engine.models import DISTILLED_PREFIX
-from engine.mtp.distilled import KIND as DISTILLED_KIND
-from engine.mtp.weights import CARD_FILE
 from engine.models import LoadedModel
 
 BASELINE = "baseline"
@@ -80,15 +75,6 @@ def _variants(method: str) -> tuple[str, list[tuple[str, str]]]:
     return name, pairs
 
 
-def _holds_distilled(folder: str) -> bool:
-    """Whether a folder holds distilled draft-model weights (engine/mtp/distilled.py)."""
-    card = Path(folder) / CARD_FILE
-    try:
-        return card.is_file() and json.loads(card.read_text()).get("kind") == DISTILLED_KIND
-    except (OSError, ValueError):
-        return False
-
-
 def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]:
     """One drafter variant as DrafterSpec fields."""
     if key == "tree":
@@ -110,12 +96,7 @@ def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]
         except ValueError:
             raise InputError(f"method {method!r}: lookup must be an n-gram length") from None
     if key == "draft":
-        # built (and a missing folder reported) before the run: check_buildable. A folder of
-        # distilled draft-model weights is named as the engine names one ("distilled:" + folder:
-        # the colon cannot be written inside a method)
-        if method.split(":")[0] == "draft-model" and _holds_distilled(value):
-            return {"draft": DISTILLED_PREFIX + value}
-        return {"draft": value}
+        return {"draft": value}  # built (and a missing folder reported) before the run: check_buildable
     return {}  # a target variant (target_settings)
 
 
