@@ -24,7 +24,10 @@ proves the fix on the embedded model and on a tiny one):
   batched products under 16^3 multiply-adds to another kernel (cpublas rather than oneDNN)
   that rounds differently. A tree verification (a
   draft sees only its ancestors) gathers each draft's visible keys into a contiguous row, as
-  plain decoding of that path would see them.
+  plain decoding of that path would see them: the keys every draft sees (the context) copied
+  once per row into a buffer kept across layers and steps, then the draft's own (a fancy-index
+  gather of the whole context per row and a fresh buffer per layer made a tree's verification
+  over 1,000 tokens cost several plain steps).
 
 Registered through transformers' AttentionInterface under ATTENTION_NAME; the model file is not
 patched. Float32 models keep SDPA: the float32 BLAS here is not row-invariant, and the engine's
@@ -152,8 +155,9 @@ class _Plan:
     """How a forward's T query rows are computed; the same for every layer of the forward."""
 
     blocks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()  # prefix rows: (lo, hi, keys, bias)
-    order: torch.Tensor | None = None  # rows with holes: (T, width) key indices, visible first
-    bias: torch.Tensor | None = None  # (T, width) for those rows
+    shared: int = 0  # rows with holes (a tree): keys 0..shared-1 are visible to every row
+    tail: torch.Tensor | None = None  # (T, w) each row's other visible keys, in key order (padded)
+    bias: torch.Tensor | None = None  # (T, width) for those rows, width a multiple of KEY_BLOCK
 
 
 def _plan(attention_mask: torch.Tensor | None, t: int, n: int, device) -> _Plan:
@@ -168,10 +172,15 @@ def _plan(attention_mask: torch.Tensor | None, t: int, n: int, device) -> _Plan:
             keys = max(1, int(c.max()))
             blocks.append((lo, lo + len(c), keys, _masked_tail(c, keys)))
         return _Plan(blocks=tuple(blocks))
-    # a tree's ancestor mask: each row's visible keys in key order (a stable sort puts them first)
-    width = max(1, int(counts.max()))
-    order = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices[:, :width]
-    return _Plan(order=order, bias=_masked_tail(counts, width))
+    # a tree's ancestor mask: the keys every row sees (the context and the root), then each
+    # row's own (its ancestors and itself) in key order (a stable sort puts them first)
+    every = visible.all(0)
+    shared = int(every.long().cumprod(0).sum())
+    rest = visible[:, shared:]
+    w = max(1, int(rest.sum(-1).max()))
+    tail = shared + torch.sort((~rest).to(torch.int8), dim=-1, stable=True).indices[:, :w]
+    width = -(-(shared + w) // KEY_BLOCK) * KEY_BLOCK
+    return _Plan(shared=shared, tail=tail, bias=_masked_tail(counts, width))
 
 
 _last_plan = threading.local()  # (mask, T, N, plan) of the forward in progress on this thread
@@ -201,16 +210,44 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if t == 1 and attention_mask is None:  # plain decoding: every cached key is visible
         return _grouped_attention(query, key, value, scale, None), None
     plan = _plan_for(attention_mask, t, n, query.device)
-    if plan.order is None:
+    if plan.tail is None:
         outs = [_grouped_attention(query[:, :, lo:hi], key[:, :, :keys], value[:, :, :keys], scale, bias)
                 for lo, hi, keys, bias in plan.blocks]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
-    # rows with holes: gather each row's keys into a contiguous row, one batch entry per row
-    keys = key[0][:, plan.order].transpose(0, 1)  # (T, Hkv, width, D)
-    values = value[0][:, plan.order].transpose(0, 1)
+    # rows with holes: each row's visible keys made contiguous (as plain decoding of its path sees
+    # them), one batch entry per row, already KEY_BLOCK long: the shared keys copied to every row,
+    # then the row's own; past them zeros (finite, masked)
+    keys, values = (_rows_of(x[0], plan, slot) for slot, x in enumerate((key, value)))  # (T, Hkv, width, D)
     q = query[0].transpose(0, 1).unsqueeze(2)  # (T, Hq, 1, D)
     out = _grouped_attention(q, keys, values, scale, plan.bias[:, None, :])  # (T, 1, Hq, D)
     return out.reshape(1, t, query.shape[1], d), None
+
+
+SCRATCH_BYTES = 64 << 20  # the most a thread keeps for _rows_of, per slot
+_scratch = threading.local()  # slot -> a zero-initialised buffer _rows_of writes into, reused
+
+
+def _rows_of(x: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
+    """x (Hkv, N, D) -> (T, Hkv, width, D): per row the shared keys, then its own keys, then
+    finite entries the bias masks. Written into a buffer reused across layers and steps (a fresh
+    one per layer costs more than the attention: page faults on megabytes of new memory); it
+    starts zeroed and only ever holds keys and values, so the masked entries are finite (0 x NaN
+    would poison a row)."""
+    t, w = plan.tail.shape
+    h, _, d = x.shape
+    size = t * h * plan.bias.shape[-1] * d
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buffer = buffers.get((slot, x.dtype, x.device))
+    if buffer is None or buffer.numel() < size:
+        buffer = x.new_zeros(max(size, 2 * (0 if buffer is None else buffer.numel())))
+        if buffer.numel() * buffer.element_size() <= SCRATCH_BYTES:  # (a huge tree over a long context: not kept)
+            buffers[(slot, x.dtype, x.device)] = buffer
+    out = buffer[:size].view(t, h, plan.bias.shape[-1], d)
+    out[:, :, :plan.shared] = x[None, :, :plan.shared]
+    out[:, :, plan.shared:plan.shared + w] = x[:, plan.tail].transpose(0, 1)
+    return out
 
 
 AttentionInterface.register(ATTENTION_NAME, invariant_attention)

@@ -258,6 +258,22 @@ def test_tiny_tree_verification_equals_decoding_each_path(tiny_bf16):
     tree_matches_paths(tiny_bf16, ids[:, :22], parents, ids[0, 22:30])
 
 
+def test_tree_rows_reuse_their_buffer_and_stay_exact(tiny_bf16):
+    """A tree's rows are gathered into a buffer kept across layers and steps: a big tree over a
+    long context first (the buffer grows and holds its keys), then smaller ones over shorter
+    contexts, still bitwise each path's plain decoding; a chain's verification never uses it."""
+    from engine import invariant
+
+    ids = random_ids(tiny_bf16.vocab_size, 200, seed=5)
+    big = (-1, -1, -1, 0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10)
+    tree_matches_paths(tiny_bf16, ids[:, :150], big, ids[0, 150:166])
+    buffers = dict(invariant._scratch.buffers)
+    assert len(buffers) == 2 and all(b.numel() * b.element_size() <= invariant.SCRATCH_BYTES for b in buffers.values())
+    tree_matches_paths(tiny_bf16, ids[:, :40], (-1, 0, 0, 1), ids[0, 40:44])
+    tree_matches_paths(tiny_bf16, ids[:, :90], (-1, -1, 0, 2, 3), ids[0, 90:95])
+    assert all(invariant._scratch.buffers[key] is b for key, b in buffers.items())  # reused, not reallocated
+
+
 # --- the embedded model in bfloat16 -----------------------------------------------------------
 
 COPY = (
