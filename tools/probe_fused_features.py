@@ -19,25 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 Path("/tmp/probe").mkdir(exist_ok=True)
 os.environ.setdefault("SPECLAB_ALLOW_ANY_MODEL", "1")
-from engine.models import load_model
 from engine.mtp.weights import load_weights
 from engine.train.common import cosine_lr, seed_everything
-from engine.train.corpus import CorpusConfig, build_corpus, load_corpus, Sequence
+from engine.train.corpus import Sequence
+from tools.probe_data import draw, optimise, probe_data
 from engine.train.module import build_module, evaluate, module_loss, training_vocabulary, _batch, _groups
 
 n_train, minutes, low, mid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-torch.manual_seed(0)
-target = load_model("embedded", device="cpu", dtype="bfloat16", kernels="stock")
-base = CorpusConfig(prompts=3000, seed=0)
-def split(name, n):
-    cfg = CorpusConfig(**{**base.__dict__, "split": name, "prompts": n})
-    return load_corpus(build_corpus(target, cfg, False, ROOT / "engine/train/answers"))
-train_all = split("train", 3000) + split("self", 2800) + split("tasks", 800)
-g = torch.Generator().manual_seed(1)
-pick = torch.randperm(len(train_all), generator=g)[:n_train].tolist()
-train = [train_all[i] for i in pick]
-del train_all
-evals = {"heldout": split("heldout", 160), "spec_bench": split("spec-bench", 120)}
+target, train, evals, g = probe_data(n_train)
 print(len(train), {k: len(v) for k, v in evals.items()}, flush=True)
 
 cache = Path(f"/tmp/probe/extra-{n_train}-{low}-{mid}.pt")
@@ -111,11 +100,7 @@ def run(fused: bool):
             steps = int(5 + (minutes * 60 - (time.perf_counter() - begin)) / ((time.perf_counter() - begin) / 5))
         for group in opt.param_groups:
             group["lr"] = group["scale"] * cosine_lr(step, steps or 10**6, 4e-4, 20)
-        order, positions = [], 0
-        while positions < 2048:
-            i = int(torch.randint(0, len(train), (1,), generator=gen))
-            order.append(i)
-            positions += int(train[i].ids.shape[0])
+        order = draw(train, gen)
         batch = list(_batch(train, order, pad))
         h = batch[1].float()
         if fused:
@@ -124,10 +109,7 @@ def run(fused: bool):
             h = fuse(ex, h)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = module_loss(module, weight, to_vocab, (batch[0], h, *batch[2:]), 4)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimise(opt, params, loss)
         step += 1
         if step % 50 == 0:
             print(f"  {'fused' if fused else 'final'} step {step}/{steps} loss {loss.item():.3f}", flush=True)

@@ -25,30 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 Path("/tmp/probe").mkdir(exist_ok=True)
 os.environ.setdefault("SPECLAB_ALLOW_ANY_MODEL", "1")
-from engine.models import load_model
 from engine.mtp.weights import load_weights
 from engine.train.common import cosine_lr, seed_everything
-from engine.train.corpus import CorpusConfig, build_corpus, load_corpus
+from tools.probe_data import draw, optimise, probe_data
 from engine.train.module import _batch, build_module, evaluate, module_loss, training_vocabulary
 
 n_train, minutes, widths = int(sys.argv[1]), float(sys.argv[2]), [int(w) for w in sys.argv[3:]]
-torch.manual_seed(0)
-target = load_model("embedded", device="cpu", dtype="bfloat16", kernels="stock")
-base = CorpusConfig(prompts=3000, seed=0)
-
-
-def split(name, n):
-    cfg = CorpusConfig(**{**base.__dict__, "split": name, "prompts": n})
-    return load_corpus(build_corpus(target, cfg, False, ROOT / "engine/train/answers"))
-
-
-train_all = split("train", 3000) + split("self", 2800) + split("tasks", 800)
-g = torch.Generator().manual_seed(1)
-pick = torch.randperm(len(train_all), generator=g)[:n_train].tolist() if n_train else list(range(len(train_all)))
-train = [train_all[i] for i in pick]
+target, train, evals, g = probe_data(n_train)
 seen = [train[i] for i in torch.randperm(len(train), generator=g)[:160].tolist()]
-del train_all
-evals = {"heldout": split("heldout", 160), "spec_bench": split("spec-bench", 120), "trained_on": seen}
+evals["trained_on"] = seen
 print(len(train), {k: len(v) for k, v in evals.items()}, flush=True)
 shipped = {k.removeprefix("layers."): v for k, v in
            load_weights(ROOT / "engine/weights/mtp-module", "cpu", torch.float32).items()}
@@ -108,18 +93,11 @@ def run(width: int) -> dict:
             steps = int(5 + (minutes * 60 - (time.perf_counter() - begin)) / ((time.perf_counter() - begin) / 5))
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, steps or 10**6, 4e-4, 20)
-        order, positions = [], 0
-        while positions < 2048:
-            i = int(torch.randint(0, len(train), (1,), generator=gen))
-            order.append(i)
-            positions += int(train[i].ids.shape[0])
+        order = draw(train, gen)
         batch = _batch(train, order, pad)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = module_loss(module, weight, to_vocab, (batch[0], batch[1].float(), *batch[2:]), 4)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimise(opt, params, loss)
         step += 1
         if step % 50 == 0:
             print(f"  width {width} step {step}/{steps} loss {loss.item():.3f}", flush=True)
