@@ -315,6 +315,40 @@ def test_bench_reports_each_prompt_set(tiny_target, sets, capsys, tmp_path):
     assert "| method | tiny (2) | flood (1) | all |" in md and "tau" in md
 
 
+SHORT_SET = """
+name: short
+prompts:
+  - id: one-word
+    text: "Answer with one word only: is the sky blue?"
+  - id: capital
+    text: "What is the capital of France? Answer in one short sentence."
+"""
+
+
+@pytest.mark.embedded
+def test_bench_stops_at_eos_as_spec_bench_does(capsys, tmp_path):
+    """--stop-at-eos: each run ends at the model's EOS (Spec-Bench's protocol); exact methods,
+    the MTP module and prompt lookup first among them, still emit the baseline's tokens."""
+    (tmp_path / "short.yaml").write_text(SHORT_SET)
+    common = ["bench", "--methods", "mtp:lookup=2:stop=0.4", "--prompts", tmp_path / "short.yaml",
+              "--repeats", "1", "--max-new-tokens", "48"]
+    code, _, _ = engine(capsys, *common, "--stop-at-eos", "--out", tmp_path / "eos")
+    assert code == 0
+    report = json.loads((tmp_path / "eos" / "bench.json").read_text())
+    assert report["ignore_eos"] is False
+    lengths = {p["prompt"]: p["output_tokens"] for p in report["results"][0]["per_prompt"]}
+    assert all(0 < n < 48 for n in lengths.values()), lengths  # short answers end well before the budget
+    mtp = report["results"][1]
+    assert mtp["identical_to_baseline"] is True
+    assert {p["prompt"]: p["output_tokens"] for p in mtp["per_prompt"]} == lengths
+    assert "48 new tokens at most (each run stops at EOS)" in (tmp_path / "eos" / "bench.md").read_text()
+    code, _, _ = engine(capsys, *common, "--limit", "1", "--out", tmp_path / "all")  # default: EOS ignored
+    assert code == 0
+    report = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert report["ignore_eos"] is True
+    assert [p["output_tokens"] for p in report["results"][0]["per_prompt"]] == [48]
+
+
 def test_gate_tab_validates_and_renders(tiny_target, sets, capsys):
     from ui.gate import gate_config, verdict_markdown
 

@@ -34,6 +34,10 @@ def register(subparsers) -> None:
                    help="comma-separated: baseline, prompt-lookup, draft-model, early-exit, mtp "
                         f"(default {DEFAULT_METHODS}); baseline is always run")
     _add_common(b, max_new_tokens=64)
+    b.add_argument("--stop-at-eos", action="store_true",
+                   help="end each run at the model's EOS, as Spec-Bench's protocol does (outputs are still "
+                        "identical across exact methods, so every method runs the same tokens per prompt); "
+                        "default: run to --max-new-tokens")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     b.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of N tokens (0 = one forward)")
     b.add_argument("--vs-transformers", action="store_true",
@@ -64,7 +68,8 @@ def _add_common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                         "spec-bench:<category>, or a YAML/JSON file); all = every built-in YAML set")
     p.add_argument("--limit", type=int, default=0, help="use the first N prompts of each set (0 = all)")
     p.add_argument("--k", type=int, default=4, help="draft length 1..16")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens per run (EOS is ignored)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help="tokens per run (EOS is ignored, unless bench --stop-at-eos)")
     p.add_argument("--model", default="embedded", help="preset name, local folder or hub id")
     p.add_argument("--draft", default=None, help="draft-model: the draft model (default: the preset's)")
     p.add_argument("--mtp-heads", default=None, help="mtp: a folder of trained heads (default: the shipped ones)")
@@ -99,7 +104,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, k=args.k, prefill_chunk=args.prefill_chunk,
-                          sampling=sampling_from_args(args), ignore_eos=True)
+                          sampling=sampling_from_args(args), ignore_eos=not args.stop_at_eos)
     cfg = BenchConfig(model=args.model, methods=parse_methods(args.methods),
                       prompts=load_prompts(args.prompts, args.limit), decode=decode, options=_options(args),
                       repeats=args.repeats, vs_transformers=args.vs_transformers)

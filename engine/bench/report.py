@@ -3,7 +3,9 @@
 Definitions (the formulas live in engine.metrics; nothing is redefined here):
 - tokens/s of a run = output tokens / its wall time (request start to last token, prefill
   included). A method's figure is the median over all its runs (every prompt x repeat); every
-  method runs the same prompts to the same length (ignore_eos), so medians compare.
+  method runs the same prompts to the same length (ignore_eos; with bench --stop-at-eos each run
+  ends at the model's EOS, as Spec-Bench's protocol does, and exact methods still emit the same
+  tokens per prompt), so medians compare.
 - speedup = the method's median tokens/s / the baseline's, measured in the same run; per prompt
   the same with that prompt's medians.
 - per prompt set (Spec-Bench's per-category table): the set's median tokens/s over its runs /
@@ -257,7 +259,7 @@ def markdown(report: dict) -> str:
         "",
         f"{report['model']} ({report['target']}) on {report['device']} {report['dtype']}"
         f"{' (' + m['gpu'] + ')' if m.get('gpu') else ''}; k = {report['k']}, temperature {report['temperature']}, "
-        f"{report['max_new_tokens']} new tokens{' (EOS ignored)' if report['ignore_eos'] else ''}, "
+        f"{report['max_new_tokens']} new tokens{' (EOS ignored)' if report['ignore_eos'] else ' at most (each run stops at EOS)'}, "
         f"{len(report['prompts'])} prompts ({min(report['prompt_tokens'].values())}-"
         f"{max(report['prompt_tokens'].values())} tokens), {report['repeats']} interleaved "
         f"repeat{'s' if report['repeats'] != 1 else ''}, medians; "
