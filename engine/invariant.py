@@ -20,9 +20,12 @@ proves the fix on the embedded model and on a tiny one):
   whose per-element reduction runs over the head dimension and over the keys in key order
   (masked keys contribute exact zeros), and the softmax (`invariant_softmax`) is torch's own
   over each row's keys, one row per thread, which masked keys (exact zeros in its sequential
-  sum) leave unchanged. Contexts under 64 keys are padded with masked zero keys: torch sends
-  batched products under 16^3 multiply-adds to another kernel (cpublas rather than oneDNN)
-  that rounds differently. A tree verification (a
+  sum) leave unchanged. Every row runs over as many keys as plain decoding of its position
+  does, its visible keys rounded up to a multiple of 64 with masked zero keys (rows of one
+  forward are grouped by that count: the weighted sum of values reduces in an order that depends
+  on the key count, so a row padded to a longer neighbour's count could get other bits; and
+  torch sends batched products under 16^3 multiply-adds to another kernel, cpublas rather than
+  oneDNN, that rounds differently). A tree verification (a
   draft sees only its ancestors) gathers each draft's visible keys into a contiguous row, as
   plain decoding of that path would see them: the keys every draft sees (the context) copied
   once per row into a buffer kept across layers and steps, then the draft's own (a fancy-index
@@ -152,35 +155,67 @@ def _masked_tail(counts: torch.Tensor, width: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How a forward's T query rows are computed; the same for every layer of the forward."""
+    """How a forward's T query rows are computed; the same for every layer of the forward.
 
-    blocks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()  # prefix rows: (lo, hi, keys, bias)
+    Every row is computed over exactly as many keys as plain decoding of its position uses: its
+    visible keys rounded up to KEY_BLOCK (masked keys after them). Rows are grouped so that a
+    group shares that key count: the kernels reduce a row's weighted sum of values in an order
+    that depends on the key count (on this CPU a row over 1,022 keys gets other bits with 1,088
+    keys than with 1,024), so a verification or prefill row padded to a longer neighbour's count
+    would not be the row plain decoding computes."""
+
+    blocks: tuple[tuple[int, int, int, torch.Tensor], ...] = ()  # prefix rows lo..hi-1: (lo, hi, keys, bias)
     shared: int = 0  # rows with holes (a tree): keys 0..shared-1 are visible to every row
-    tail: torch.Tensor | None = None  # (T, w) each row's other visible keys, in key order (padded)
-    bias: torch.Tensor | None = None  # (T, width) for those rows, width a multiple of KEY_BLOCK
+    # rows with holes, grouped by padded key count: (row indices, each row's other visible keys in
+    # key order (rows, w), bias (rows, width) with width the group's padded key count)
+    groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
+
+
+def _padded(counts: torch.Tensor) -> torch.Tensor:
+    """The key count plain decoding uses for a row that sees `counts` keys (_grouped_attention)."""
+    return (counts.clamp_min(1) + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+
+
+def _runs(padded: list[int], most: int) -> list[tuple[int, int]]:
+    """(lo, hi) spans of consecutive rows sharing a padded key count, at most `most` rows each.
+
+    >>> _runs([64, 64, 128, 128, 128], 2)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    spans, lo = [], 0
+    for i in range(1, len(padded) + 1):
+        if i == len(padded) or padded[i] != padded[lo] or i - lo == most:
+            spans.append((lo, i))
+            lo = i
+    return spans
 
 
 def _plan(attention_mask: torch.Tensor | None, t: int, n: int, device) -> _Plan:
     visible = _visible(attention_mask, t, n, device)
     counts = visible.sum(-1)  # (T,)
+    padded = _padded(counts)
     if torch.equal(torch.arange(n, device=device)[None, :] < counts[:, None], visible):
-        # causal rows (a chain's verification, prefill chunks): keys past the longest row are
-        # cut (they would add exact zeros), the rest masked; long chunks in blocks of rows
+        # causal rows (a chain's verification, prefill chunks): keys past the group's longest row
+        # are cut, the rest masked; long chunks in blocks of rows
         blocks = []
-        for lo in range(0, t, QUERY_BLOCK):
-            c = counts[lo:lo + QUERY_BLOCK]
+        for lo, hi in _runs(padded.tolist(), QUERY_BLOCK):
+            c = counts[lo:hi]
             keys = max(1, int(c.max()))
-            blocks.append((lo, lo + len(c), keys, _masked_tail(c, keys)))
+            blocks.append((lo, hi, keys, _masked_tail(c, keys)))
         return _Plan(blocks=tuple(blocks))
     # a tree's ancestor mask: the keys every row sees (the context and the root), then each
     # row's own (its ancestors and itself) in key order (a stable sort puts them first)
     every = visible.all(0)
     shared = int(every.long().cumprod(0).sum())
     rest = visible[:, shared:]
-    w = max(1, int(rest.sum(-1).max()))
-    tail = shared + torch.sort((~rest).to(torch.int8), dim=-1, stable=True).indices[:, :w]
-    width = -(-(shared + w) // KEY_BLOCK) * KEY_BLOCK
-    return _Plan(shared=shared, tail=tail, bias=_masked_tail(counts, width))
+    own = rest.sum(-1)
+    order = torch.sort((~rest).to(torch.int8), dim=-1, stable=True).indices
+    groups = []
+    for width in sorted(set(padded.tolist())):
+        rows = torch.nonzero(padded == width).flatten()
+        w = max(1, int(own[rows].max()))
+        groups.append((rows, shared + order[rows, :w], _masked_tail(counts[rows], width)))
+    return _Plan(shared=shared, groups=tuple(groups))
 
 
 _last_plan = threading.local()  # (mask, T, N, plan) of the forward in progress on this thread
@@ -210,16 +245,23 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if t == 1 and attention_mask is None:  # plain decoding: every cached key is visible
         return _grouped_attention(query, key, value, scale, None), None
     plan = _plan_for(attention_mask, t, n, query.device)
-    if plan.tail is None:
+    if not plan.groups:
         outs = [_grouped_attention(query[:, :, lo:hi], key[:, :, :keys], value[:, :, :keys], scale, bias)
                 for lo, hi, keys, bias in plan.blocks]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
     # rows with holes: each row's visible keys made contiguous (as plain decoding of its path sees
     # them), one batch entry per row, already KEY_BLOCK long: the shared keys copied to every row,
-    # then the row's own; past them zeros (finite, masked)
-    keys, values = (_rows_of(x[0], plan, slot) for slot, x in enumerate((key, value)))  # (T, Hkv, width, D)
+    # then the row's own; past them zeros (finite, masked). One group per padded key count.
     q = query[0].transpose(0, 1).unsqueeze(2)  # (T, Hq, 1, D)
-    out = _grouped_attention(q, keys, values, scale, plan.bias[:, None, :])  # (T, 1, Hq, D)
+    if len(plan.groups) == 1:
+        rows, tail, bias = plan.groups[0]
+        keys, values = (_rows_of(x[0], plan.shared, tail, bias.shape[-1], slot) for slot, x in enumerate((key, value)))
+        out = _grouped_attention(q, keys, values, scale, bias[:, None, :])  # (T, 1, Hq, D)
+        return out.reshape(1, t, query.shape[1], d), None
+    out = q.new_empty(t, 1, query.shape[1], d)
+    for rows, tail, bias in plan.groups:
+        keys, values = (_rows_of(x[0], plan.shared, tail, bias.shape[-1], slot) for slot, x in enumerate((key, value)))
+        out[rows] = _grouped_attention(q[rows], keys, values, scale, bias[:, None, :])
     return out.reshape(1, t, query.shape[1], d), None
 
 
@@ -227,15 +269,15 @@ SCRATCH_BYTES = 64 << 20  # the most a thread keeps for _rows_of, per slot
 _scratch = threading.local()  # slot -> a zero-initialised buffer _rows_of writes into, reused
 
 
-def _rows_of(x: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
-    """x (Hkv, N, D) -> (T, Hkv, width, D): per row the shared keys, then its own keys, then
-    finite entries the bias masks. Written into a buffer reused across layers and steps (a fresh
-    one per layer costs more than the attention: page faults on megabytes of new memory); it
-    starts zeroed and only ever holds keys and values, so the masked entries are finite (0 x NaN
-    would poison a row)."""
-    t, w = plan.tail.shape
+def _rows_of(x: torch.Tensor, shared: int, tail: torch.Tensor, width: int, slot: int) -> torch.Tensor:
+    """x (Hkv, N, D) -> (R, Hkv, width, D): per row the shared keys, then its own keys (tail
+    (R, w) indices), then finite entries the bias masks. Written into a buffer reused across
+    layers and steps (a fresh one per layer costs more than the attention: page faults on
+    megabytes of new memory); it starts zeroed and only ever holds keys and values, so the masked
+    entries are finite (0 x NaN would poison a row)."""
+    t, w = tail.shape
     h, _, d = x.shape
-    size = t * h * plan.bias.shape[-1] * d
+    size = t * h * width * d
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = {}
@@ -244,9 +286,9 @@ def _rows_of(x: torch.Tensor, plan: _Plan, slot: int) -> torch.Tensor:
         buffer = x.new_zeros(max(size, 2 * (0 if buffer is None else buffer.numel())))
         if buffer.numel() * buffer.element_size() <= SCRATCH_BYTES:  # (a huge tree over a long context: not kept)
             buffers[(slot, x.dtype, x.device)] = buffer
-    out = buffer[:size].view(t, h, plan.bias.shape[-1], d)
-    out[:, :, :plan.shared] = x[None, :, :plan.shared]
-    out[:, :, plan.shared:plan.shared + w] = x[:, plan.tail].transpose(0, 1)
+    out = buffer[:size].view(t, h, width, d)
+    out[:, :, :shared] = x[None, :, :shared]
+    out[:, :, shared:shared + w] = x[:, tail].transpose(0, 1)
     return out
 
 

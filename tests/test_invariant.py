@@ -284,7 +284,7 @@ COPY = (
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("context", [9, 300, 1100])
+@pytest.mark.parametrize("context", [9, 300, 1020, 1100])  # 1020: rows on both sides of 1,024 keys
 def test_embedded_verification_of_k_plus_1_tokens_equals_plain_steps(embedded_bf16, context):
     assert embedded_bf16.batch_invariant and embedded_bf16.dtype is torch.bfloat16
     ids = random_ids(embedded_bf16.vocab_size, context + 9, seed=context)
@@ -311,6 +311,31 @@ def test_embedded_tree_verification_equals_decoding_each_path(embedded_bf16):
     ids = torch.tensor([embedded_bf16.encode(COPY)])
     parents = (-1, -1, 0, 0, 2, 4)
     tree_matches_paths(embedded_bf16, ids[:, :-6], parents, ids[0, -6:])
+    # over 1,021 tokens: the root's row sees 1,021 keys, the deepest node's 1,025 (two key counts)
+    ids = random_ids(embedded_bf16.vocab_size, 1029, seed=1021)
+    tree_matches_paths(embedded_bf16, ids[:, :1021], (-1, -1, 0, 0, 1, 2, 2, 5), ids[0, 1021:])
+
+
+def test_rows_are_grouped_by_the_key_count_plain_decoding_uses():
+    """Each row's weighted sum of values runs over its visible keys rounded up to KEY_BLOCK, as
+    a plain step at that position does: a row padded to a longer neighbour's key count can get
+    other bits (found on the embedded model: a 5-token verification after 1,021 tokens, its first
+    row over 1,088 keys, disagreed with the plain step over 1,024)."""
+    from engine.invariant import _plan
+
+    plan = _plan(None, 5, 1026, "cpu")  # a chain: rows see 1,022 .. 1,026 keys
+    assert [(lo, hi, keys) for lo, hi, keys, _ in plan.blocks] == [(0, 3, 1024), (3, 5, 1026)]
+    assert [tuple(bias.shape) for *_, bias in plan.blocks] == [(3, 1024), (2, 1026)]
+    assert [hi - lo for lo, hi, _, _ in _plan(None, 600, 600, "cpu").blocks] == [64] * 9 + [24]  # a prefill chunk
+    # a tree after 1,020 cached tokens: the root and two children see up to 1,023 keys, deeper
+    # nodes 1,024 and 1,025 -> groups padded to 1,024 and 1,088
+    parents = (-1, -1, 0, 2, 3)
+    mask = tree_inputs(parents, 1020, "cpu", torch.bfloat16)["attention_mask"]
+    plan = _plan(mask, 6, 1026, "cpu")
+    assert plan.shared == 1021
+    assert [(rows.tolist(), bias.shape[-1]) for rows, _, bias in plan.groups] == [([0, 1, 2, 3, 4], 1024), ([5], 1088)]
+    rows, tail, bias = plan.groups[1]
+    assert tail.tolist() == [[1021, 1023, 1024, 1025]] and int((bias[0] == 0).sum()) == 1025
 
 
 @pytest.mark.embedded
@@ -321,6 +346,19 @@ def test_embedded_prefill_chunks_give_bitwise_the_same_logits_and_cache(embedded
     chunked, chunked_kv = all_at_once(embedded_bf16.model, ids, 1, chunk)
     assert torch.equal(whole, chunked)
     assert_same_kv(whole_kv, chunked_kv)
+
+
+@pytest.mark.embedded
+def test_embedded_long_prefill_equals_chunks_and_plain_steps(embedded_bf16):
+    """A 1,300-token prompt in one forward, in chunks of 100, and its rows 1,000..1,039 as plain
+    steps: bitwise the same (rows of one forward used to share the longest row's key count)."""
+    ids = random_ids(embedded_bf16.vocab_size, 1300, seed=11)
+    whole, whole_kv = all_at_once(embedded_bf16.model, ids, 1)
+    chunked, chunked_kv = all_at_once(embedded_bf16.model, ids, 1, 100)
+    assert torch.equal(whole, chunked)
+    assert_same_kv(whole_kv, chunked_kv)
+    alone, _ = one_at_a_time(embedded_bf16.model, ids[:, :1040], 1000)
+    assert torch.equal(whole[999:1039], alone)
 
 
 @pytest.mark.embedded
