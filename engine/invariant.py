@@ -253,11 +253,6 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     # them), one batch entry per row, already KEY_BLOCK long: the shared keys copied to every row,
     # then the row's own; past them zeros (finite, masked). One group per padded key count.
     q = query[0].transpose(0, 1).unsqueeze(2)  # (T, Hq, 1, D)
-    if len(plan.groups) == 1:
-        rows, tail, bias = plan.groups[0]
-        keys, values = (_rows_of(x[0], plan.shared, tail, bias.shape[-1], slot) for slot, x in enumerate((key, value)))
-        out = _grouped_attention(q, keys, values, scale, bias[:, None, :])  # (T, 1, Hq, D)
-        return out.reshape(1, t, query.shape[1], d), None
     out = q.new_empty(t, 1, query.shape[1], d)
     for rows, tail, bias in plan.groups:
         keys, values = (_rows_of(x[0], plan.shared, tail, bias.shape[-1], slot) for slot, x in enumerate((key, value)))
