@@ -438,9 +438,12 @@ def test_self_prompts_drop_unfinished_short_duplicate_and_spec_bench_text(tiny_t
 
 # --- requests about a text, made from the target's answers -----------------------------------
 
-def test_task_prompts_are_requests_about_the_targets_own_answers(embedded):
+def test_task_prompts_are_requests_about_the_targets_own_answers():
+    from engine.models import load_model
     from engine.train import task_prompts as tp
     from engine.train.corpus import ANSWERS_DIR
+
+    embedded = load_model("embedded", dtype="bfloat16")  # the dtype the committed answers were written in
 
     texts = tp.answered_texts(embedded, ANSWERS_DIR, tp.SHIPPED_FROM_SELF)
     assert len(tp.answered_texts(embedded, ANSWERS_DIR)) > len(texts)  # later self-written requests are answered too
