@@ -33,8 +33,19 @@ proves the fix on the embedded model and on a tiny one):
   over 1,000 tokens cost several plain steps).
 
 Registered through transformers' AttentionInterface under ATTENTION_NAME; the model file is not
-patched. Float32 models keep SDPA: the float32 BLAS here is not row-invariant, and the engine's
-fast dtype on such CPUs is bfloat16 anyway (engine.models.choose_dtype).
+patched.
+
+Float32 (the engine's dtype on CPUs without bfloat16 instructions, where 16-bit kernels are
+emulated): the BLAS (MKL) reduces a row of x @ weight.T in one order for one row, another for two
+or three, another from four on, and packs the weight at every call. `product` computes
+weight @ x.T instead, which for a few rows streams the weight once through a kernel for a narrow
+right-hand side: faster than F.linear at every row count up to 8 (one row included), and, over
+the row counts a load-time probe finds (_float32_rows_agree: 4 and 8 on an AVX2 EPYC), each row
+gets the same bits at every count and every place in the call. So a plain step is one call of 4
+rows (one real, three zero), a verification of up to 4 tokens costs the same call, up to 8 one
+call of 8, and longer forwards (prefill chunks, large trees) run in blocks of 8. The attention's
+float32 products take at least FLOAT32_ATTENTION_ROWS query rows. self_check decides at load:
+kernels that fail it give way to transformers' own (engine.models).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ ATTENTION_NAME = "speclab_invariant"
 QUERY_BLOCK = 256  # long prefill chunks: queries in blocks (rows are independent) to bound memory
 
 
+FLOAT32_ATTENTION_ROWS = 4  # float32 attention products run over at least this many query rows (see _grouped_attention)
 KEY_BLOCK = 64  # key counts are rounded up to a multiple of this with masked keys (see _grouped_attention)
 
 
@@ -94,12 +106,15 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if bias is not None:
             bias = F.pad(bias, (0, extra), value=float("-inf"))
     rows = query.reshape(*lead, hkv, g * t, d)  # queries sharing a KV head: (group, token) rows
-    pad = g * t == 1  # one row would take the matrix-vector kernel: duplicate it
+    # too few rows would take another kernel (16-bit: one row, the matrix-vector kernel; float32:
+    # under FLOAT32_ATTENTION_ROWS, the BLAS's small-row kernels): repeat the first row to make up
+    pad = max(0, (FLOAT32_ATTENTION_ROWS if rows.dtype == torch.float32 else 2) - g * t)
+    real = g * t
     if pad:
-        rows = torch.cat([rows, rows], dim=-2)
+        rows = torch.cat([rows, rows[..., :1, :].expand(*rows.shape[:-2], pad, d)], dim=-2)
     scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(scale)  # (..., Hkv, rows, N')
     if pad:
-        scores = scores[..., :1, :]
+        scores = scores[..., :real, :]
     if bias is not None:  # (..., T, N') -> shared by the heads and the query groups
         width = scores.shape[-1]
         scores = (scores.reshape(*lead, hkv, g, t, width) + bias.unsqueeze(-3).unsqueeze(-4)).reshape(*lead, hkv, g * t, width)
@@ -107,10 +122,10 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         scores[..., n:] = float("-inf")
     weights = invariant_softmax(scores).to(value.dtype)
     if pad:
-        weights = torch.cat([weights, weights], dim=-2)
+        weights = torch.cat([weights, weights[..., :1, :].expand(*weights.shape[:-2], pad, weights.shape[-1])], dim=-2)
     out = torch.matmul(weights, value)  # (..., Hkv, rows, D)
     if pad:
-        out = out[..., :1, :]
+        out = out[..., :real, :]
     return out.reshape(*lead, hq, t, d).transpose(-2, -3)  # (..., T, Hq, D)
 
 
@@ -355,10 +370,82 @@ def _packed_rows_agree(out_features: int, in_features: int, dtype: torch.dtype, 
         return False
 
 
+FLOAT32_LOW_ROWS = (2, 4, 8)  # the fewest rows per float32 call tried, cheapest first (_float32_rows_agree)
+FLOAT32_MOST_ROWS = 16  # the most rows per float32 call tried
+
+
+@torch.inference_mode()
+def _float32_rows_agree(out_features: int, in_features: int, seed: int = 0) -> tuple[int, ...] | None:
+    """The row counts at which float32 products `weight @ x.T` of this shape give each row the
+    bits it gets in a call of the fewest of them (lo), at every place in the call: a sorted
+    tuple starting at lo, or None if no lo in FLOAT32_LOW_ROWS has a count of 4 or more among
+    them (a 3-draft verification in one call). Random values at a layer's scale: the kernel's
+    reduction order depends on the shapes, not on the values.
+
+    Why this orientation: for a few rows the BLAS here (MKL on an AVX2 CPU) streams the weight
+    once through a kernel made for a narrow right-hand side, where x @ weight.T (F.linear) packs
+    the weight at every call (BENCHMARKS.md 1o: over the embedded model's linears, 4 rows cost
+    ~0.7x one F.linear row). That kernel takes the rows in groups of 4, a ragged last group
+    through an edge kernel that rounds otherwise, and past 11 rows another kernel: on that CPU
+    the counts found are (4, 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5
+    x = torch.randn(FLOAT32_MOST_ROWS, in_features, generator=gen)
+    filler = torch.randn(max(FLOAT32_LOW_ROWS), in_features, generator=gen)
+    run = lambda rows: (weight @ rows.t()).t()
+    together = {m: run(x[:m]) for m in range(1, FLOAT32_MOST_ROWS + 1)}  # row i at place i
+    for lo in FLOAT32_LOW_ROWS:
+        alone = torch.stack([run(torch.cat([x[i:i + 1], filler[:lo - 1]]))[0] for i in range(FLOAT32_MOST_ROWS)])
+        counts = tuple(m for m in range(lo, FLOAT32_MOST_ROWS + 1) if torch.equal(together[m], alone[:m]))
+        if counts and counts[0] == lo and counts[-1] >= 4:
+            return counts
+    return None
+
+
+_FLOAT32_ROWS: dict[tuple[int, int], tuple[int, ...] | None] = {}  # (out, in) -> _float32_rows_agree
+
+
+def _float32_rows(weight: torch.Tensor) -> tuple[int, ...] | None:
+    key = tuple(weight.shape)
+    with _pack_lock:
+        if key not in _FLOAT32_ROWS:
+            _FLOAT32_ROWS[key] = _float32_rows_agree(*key)
+        return _FLOAT32_ROWS[key]
+
+
+def _float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     counts: tuple[int, ...]) -> torch.Tensor:
+    """x @ weight.T + bias in calls whose row counts are in `counts` (_float32_rows_agree):
+    blocks of the largest, the rest padded with zero rows up to the smallest count that holds
+    it, so each row's bits are the same at every row count."""
+    flat = x.reshape(-1, x.shape[-1])
+    m, most = flat.shape[0], counts[-1]
+    if m == 0:  # (logits_to_keep with nothing to keep)
+        return x.new_zeros(*x.shape[:-1], weight.shape[0])
+    outs = []
+    for start in range(0, m, most):
+        block = flat[start:start + most]
+        n = block.shape[0]
+        size = next(c for c in counts if c >= n)
+        if size > n:
+            block = torch.cat([block, block.new_zeros(size - n, block.shape[1])])
+        outs.append((weight @ block.t()).t()[:n])
+    out = torch.cat(outs) if len(outs) > 1 else outs[0].contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
-    """x @ weight.T + bias with each row's bits independent of how many rows share the call: a
-    single row goes through the multi-row kernel as two copies of itself (one result kept), and
-    the weight is the packed copy where that passed its row check."""
+    """x @ weight.T + bias with each row's bits independent of how many rows share the call.
+    16-bit: a single row goes through the multi-row kernel as two copies of itself (one result
+    kept), and the weight is the packed copy where that passed its row check. float32 on a CPU:
+    calls of a row count range whose kernel passed its row check (_float32_product), else F.linear."""
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
+        counts = _float32_rows(weight)
+        if counts is not None:
+            return _float32_product(x, weight, bias, counts)
+        return F.linear(x, weight, bias)
     one = x.numel() == x.shape[-1]
     if one:
         x = torch.cat([x, x], dim=-2)

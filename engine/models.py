@@ -115,6 +115,7 @@ def pick_device(requested: str = "auto") -> str:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INVARIANT_DTYPES = (torch.bfloat16, torch.float32)  # batch-invariant kernels on a CPU (engine.invariant)
 DTYPE_CHOICES = ("auto", *DTYPES)  # what a preset, a request or the playground may ask for
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that make bfloat16 matmuls fast
 
@@ -145,7 +146,8 @@ def choose_dtype(requested: str, device: str) -> tuple[torch.dtype, str]:
     flags = cpu_bf16_flags()
     if flags:
         return torch.bfloat16, f"bfloat16: auto, this CPU has {' and '.join(flags)} (fast bfloat16 matrix kernels)"
-    return torch.float32, "float32: auto, this CPU has no bfloat16 matrix instructions (avx512_bf16, amx_bf16)"
+    return torch.float32, ("float32: auto, this CPU has no bfloat16 matrix instructions (avx512_bf16, amx_bf16), "
+                           "so its bfloat16 kernels are emulated")
 
 
 
@@ -340,7 +342,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", kernels: st
     spec: a preset name (its target), a "gguf:" spec, a local folder, an allowed hub id, or
     "distilled:<weights name or folder>" (a draft built from its target plus trained layers).
     A corrupt conversion cache is rebuilt rather than fatal. kernels "auto": batch-invariant
-    attention and linears where they apply (bfloat16 on a CPU, engine.invariant); "stock":
+    attention and linears where they apply (bfloat16 and float32 on a CPU, engine.invariant); "stock":
     transformers' own (for benchmarks that compare the two).
     """
     if kernels not in KERNELS:
@@ -356,7 +358,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", kernels: st
         dtype = preset.dtype if dtype == "auto" else dtype
     device = pick_device(device)
     torch_dtype, reason = choose_dtype(dtype, device)
-    invariant = kernels == "auto" and device == "cpu" and torch_dtype is torch.bfloat16
+    invariant = kernels == "auto" and device == "cpu" and torch_dtype in INVARIANT_DTYPES
     key = (spec, device, str(torch_dtype), invariant)
     with _lock:
         if key not in _loaded:
@@ -375,14 +377,17 @@ def _kernel_note(device: str, dtype: torch.dtype, asked_invariant: bool, invaria
     """What the dtype reason adds about the kernels."""
     if asked_invariant and not invariant:
         return "; the batch-invariant kernels failed their check on this CPU (not batch-invariant)"
-    if not asked_invariant and device == "cpu" and dtype is torch.bfloat16:
+    if not asked_invariant and device == "cpu" and dtype in INVARIANT_DTYPES:
         return "; transformers' stock kernels (not batch-invariant)"
+    if invariant and dtype is torch.float32:
+        return "; batch-invariant float32 kernels (products over the row counts its BLAS keeps alike)"
     return ""
 
 
 def _load(spec: str, device: str, dtype: torch.dtype, reason: str, invariant: bool, fall_back: bool) -> LoadedModel:
-    """Load; with `invariant`, switch to batch-invariant kernels and check them, and if an
-    automatic bfloat16 choice fails the check, fall back to float32."""
+    """Load; with `invariant`, switch to batch-invariant kernels and check them. An automatic
+    bfloat16 choice that fails the check falls back to float32 (with its invariant kernels if
+    they pass); float32 kernels that fail it give way to transformers' own."""
     from engine.invariant import make_invariant, self_check
 
     folder = resolve_local(spec)
@@ -399,10 +404,13 @@ def _load(spec: str, device: str, dtype: torch.dtype, reason: str, invariant: bo
     if invariant:
         make_invariant(model)
         passed = self_check(model)
-        if not passed and fall_back:
+        if not passed and dtype is torch.float32:
+            # the float32 products take F.linear where no row counts passed (engine.invariant):
+            # transformers' own kernels then, as without the switch
             model, tokenizer = _load_folder(folder, device, torch.float32)
-            return LoadedModel(spec, model, tokenizer, device, torch.float32,
-                               "float32: auto, bfloat16 kernels here failed the batch-invariance check", False)
+        elif not passed and fall_back:  # float32 then, with its own batch-invariant kernels if they pass
+            return _load(spec, device, torch.float32, "float32: auto, bfloat16 kernels here failed the batch-invariance check",
+                         True, fall_back=False)
     reason += _kernel_note(device, dtype, asked, passed)
     return LoadedModel(spec, model, tokenizer, device, dtype, reason, passed)
 

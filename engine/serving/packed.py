@@ -16,7 +16,7 @@ So the step is built here, on the loaded model itself:
   prefix cache, if any, then its own entries), and runs the model's own attention per segment (transformers'
   SDPA, or engine.invariant's batch-invariant attention) with the same mask a solo run would use
   (causal; offset by the cached length). A request's attention is therefore computed as in a
-  solo run with the same prefill chunks. With a batch-invariant model (bfloat16 on a CPU) the
+  solo run with the same prefill chunks. With a batch-invariant model (bfloat16 or float32 on a CPU) the
   packed linears and norms give each row bitwise its solo value too, so every request's output
   is bitwise its solo output; otherwise the last bits of the packed matrix products can differ
   (BLAS blocks rows differently for T rows than for one), which only matters at an exact near-tie
