@@ -406,7 +406,10 @@ _FLOAT32_ROWS: dict[tuple[int, int], tuple[int, ...] | None] = {}  # (out, in) -
 
 
 def _float32_rows(weight: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape's row counts, probed once (every linear of every step asks: no lock once known)."""
     key = tuple(weight.shape)
+    if key in _FLOAT32_ROWS:
+        return _FLOAT32_ROWS[key]
     with _pack_lock:
         if key not in _FLOAT32_ROWS:
             _FLOAT32_ROWS[key] = _float32_rows_agree(*key)
