@@ -42,6 +42,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="baseline", help="baseline, " + ", ".join(drafter_names()))
     p.add_argument("--k", type=int, default=4, help="draft length 1..16")
     p.add_argument("--adaptive", action="store_true", help="adapt k: +2 after a full accept, -1 otherwise")
+    p.add_argument("--fit-k", action="store_true",
+                   help="chains: draft each step as far as pays on this machine's measured verify curve and the "
+                        "run's acceptance so far, --k at most; exact either way")
     p.add_argument("--draft", default=None, help="draft model for --method draft-model")
     p.add_argument("--ngram-max", type=int, default=3)
     p.add_argument("--ngram-min", type=int, default=1)
@@ -89,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model=args.model,
         raw=args.raw,
         decode=DecodeConfig(
-            max_new_tokens=args.max_new_tokens, k=args.k, adaptive=args.adaptive,
+            max_new_tokens=args.max_new_tokens, k=args.k, adaptive=args.adaptive, fit_k=args.fit_k,
             prefill_chunk=args.prefill_chunk, sampling=sampling_from_args(args), rule=AcceptRule(args.accept),
         ),
         drafter=drafter_from_args(args),

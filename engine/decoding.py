@@ -8,7 +8,7 @@ emits one. Each step runs five phases, named as in the UI legend and the lessons
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,6 +25,7 @@ from engine.acceptance import (
     speculative_sample,
     typical_accept,
 )
+from engine.draft_length import DraftLengthFit
 from engine.drafters.base import Drafter
 from engine.errors import InputError
 from engine.kv import growing_cache
@@ -42,6 +43,9 @@ class DecodeConfig:
     max_new_tokens: int = 128
     k: int = 4  # draft length (the papers' gamma); the starting length when adaptive
     adaptive: bool = False  # grow k by 2 after a fully accepted step, shrink by 1 otherwise
+    # draft each step as far as pays on this machine's verify curve, k at most (chains;
+    # engine.draft_length): exact, like any draft length
+    fit_k: bool = False
     prefill_chunk: int = 0  # prefill the prompt in chunks of this many tokens; 0: one forward
     sampling: SamplingConfig = SamplingConfig()
     rule: AcceptRule = AcceptRule.EXACT  # TYPICAL is lossy (teaching only)
@@ -213,12 +217,14 @@ def generate(
     cfg: DecodeConfig,
     drafter: Drafter | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    verify_ms: Sequence[float] = (),
 ) -> Iterator[Event]:
     """Decode from prompt_ids; yields PrefillChunk, then Step records, then Finished.
 
     With drafter=None this is plain decoding (one token per target step); greedy output equals
     transformers' generate(do_sample=False). With a drafter, greedy output is the same tokens
-    and sampled output has the target's distribution.
+    and sampled output has the target's distribution. cfg.fit_k reads the target's verify curve
+    (verify_ms, or engine.verify_curve's measurement when not given).
     """
     check_prompt(target, prompt_ids, cfg)
     sampling = cfg.sampling
@@ -254,6 +260,13 @@ def generate(
         drafter.observe(context, 0, hidden)
     k = cfg.k
     drafter_name = drafter.name if drafter else "none"
+    fit = None
+    if cfg.fit_k and drafter is not None and getattr(drafter, "tree", None) is None:
+        if not verify_ms:
+            from engine.verify_curve import curve_for
+
+            verify_ms = curve_for(target).ms
+        fit = DraftLengthFit(verify_ms)
     step_index = 1
     while True:
         if should_stop():
@@ -267,10 +280,14 @@ def generate(
             return
         # never draft past the token budget or the context: a step emits drafts + 1
         k_step = max(0, min(k, budget - 1, room - 1)) if drafter else 0
+        if fit is not None and k_step:
+            k_step = fit.cap(k_step, (drafter_name,))
 
         # 1 draft
         begin = time.perf_counter()
         proposal = drafter.propose(context, k_step, sampling, draft_rng).within(k_step) if k_step else None
+        if fit is not None and proposal is not None and proposal.parents is None:
+            proposal = proposal.within(fit.best(proposal.source or drafter_name, k_step))
         draft_ids = proposal.token_ids if proposal is not None else torch.zeros(0, dtype=torch.long)
         _sync(target.device)
         draft_s = time.perf_counter() - begin
@@ -344,6 +361,8 @@ def generate(
         produced += len(tokens)
         if drafter is not None:
             drafter.observe(context, result.accepted, hidden[rows[: len(tokens)]])
+            if fit is not None and parents is None:
+                fit.record(record.drafter, drafted, result.accepted, draft_s)
             if cfg.adaptive:
                 k = next_k(k, result.accepted, drafted)
         step_index += 1

@@ -57,6 +57,7 @@ def prepare(request: RunRequest) -> Prepared:
         drafter=getattr(drafter, "name", "none"),
         k=cfg.k if drafter else 0,
         adaptive=cfg.adaptive and drafter is not None,
+        fit_k=cfg.fit_k and drafter is not None and getattr(drafter, "tree", None) is None,
         temperature=cfg.sampling.temperature,
         top_k=cfg.sampling.top_k,
         top_p=cfg.sampling.top_p,
@@ -76,7 +77,8 @@ def prepare(request: RunRequest) -> Prepared:
 
 
 def events(prepared: Prepared, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Event]:
-    return generate(prepared.target, prepared.prompt_ids, prepared.request.decode, prepared.drafter, should_stop)
+    return generate(prepared.target, prepared.prompt_ids, prepared.request.decode, prepared.drafter, should_stop,
+                    prepared.info.verify_ms)
 
 
 def collect(info: RunInfo, stream: Iterator[Event], on_event: Callable[[Event], None] | None = None) -> Trace:

@@ -138,6 +138,7 @@ class RunInfo:
     dtype_reason: str = ""  # why the target runs in this dtype (engine.models.choose_dtype)
     batch_invariant: bool = False  # target logits independent of how many tokens share a forward
     verify_ms: tuple[float, ...] = ()  # this machine's verify curve: ms of one forward over T = 1, 2, ... tokens
+    fit_k: bool = False  # each step's draft length fitted to verify_ms, k at most (engine.draft_length)
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,47 @@ def test_adaptive_k_grows_after_full_acceptance_and_is_recorded(target, tiny_tar
     assert ks[:3] == [2, 4, 6]
 
 
+# a CPU-like verify curve (ms of a forward over T = 1..17 tokens): flat to 4 tokens, then steps
+STEEP = (1000.0, 1010.0, 1020.0, 1030.0, *[1400.0] * 4, *[1900.0] * 4, *[2400.0] * 4, 2800.0)
+FLAT = (1000.0,) * 17
+
+
+@pytest.mark.parametrize("method", ["draft-model", "prompt-lookup", "self-draft"])
+def test_fitted_draft_lengths_keep_greedy_output_and_follow_the_curve(target, tiny_draft, tiny_target, method):
+    """fit_k: each step's chain is cut where the machine's curve makes more drafts cost more
+    than they are expected to bring; the output is plain greedy's either way. On the steep
+    curve a drafter whose drafts are always accepted (the target drafting for itself) earns
+    the longer forwards; one whose drafts are seldom accepted never gets past the flat part."""
+    spec = {"draft-model": DrafterSpec("draft-model", draft=tiny_draft),
+            "self-draft": DrafterSpec("draft-model", draft=tiny_target),
+            "prompt-lookup": DrafterSpec("prompt-lookup", ngram_max=3)}[method]
+    cfg = DecodeConfig(max_new_tokens=40, k=8, ignore_eos=True, fit_k=True)
+    plain = tokens_of(baseline(target, n=40))
+    fitted = {}
+    for curve in (STEEP, FLAT):
+        events = list(generate(target, PROMPT, cfg, build_drafter(target, spec), verify_ms=curve))
+        assert tokens_of(events) == plain
+        ks = fitted[curve] = [e.k for e in events if isinstance(e, Step)][1:]
+        assert all(k <= 8 for k in ks)
+        if method == "self-draft":  # every draft accepted: it goes as far as k on both curves
+            assert max(ks) == 8 if curve is FLAT else 4 < max(ks), (curve, ks)
+        elif method == "draft-model" and curve is STEEP:  # a random tiny draft: seldom accepted
+            assert max(ks) <= 3 and min(ks[:-1]) >= 1, ks
+    fixed = [e.k for e in generate(target, PROMPT, DecodeConfig(max_new_tokens=40, k=8, ignore_eos=True),
+                                   build_drafter(target, spec)) if isinstance(e, Step)][1:]
+    assert fixed != fitted[STEEP]  # the fit changed what the steps drafted
+
+
+def test_fitted_draft_lengths_are_recorded_and_leave_trees_alone(tiny_target, tiny_draft):
+    request = RunRequest("w5 w9 w14 w3 w5 w9", model=tiny_target, raw=True,
+                         decode=DecodeConfig(max_new_tokens=10, k=3, ignore_eos=True, fit_k=True),
+                         drafter=DrafterSpec("draft-model", draft=tiny_draft))
+    trace = run(request)
+    assert trace.info.fit_k and trace_from_json(trace_to_json(trace)).info.fit_k
+    assert report(trace)["settings"]["fit_k"] is True
+    assert not run(RunRequest("w5 w9", model=tiny_target, raw=True, decode=DecodeConfig(max_new_tokens=4))).info.fit_k
+
+
 def test_sampled_runs_are_reproducible_by_seed(target, tiny_draft):
     cfg = DecodeConfig(max_new_tokens=16, k=3, ignore_eos=True, sampling=SamplingConfig(temperature=1.0, seed=7))
     runs = [tokens_of(generate(target, PROMPT, cfg, build_drafter(target, DrafterSpec("draft-model", draft=tiny_draft))))

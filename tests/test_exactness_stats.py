@@ -59,13 +59,15 @@ def chi_square_pvalue(counts, probs):
     return float(chi2.sf(stat, df=len(obs) - 1))
 
 
-def sample_counts(target, draft, rule, temperature=1.0, stop=0.0, max_new_tokens=3):
+def sample_counts(target, draft, rule, temperature=1.0, stop=0.0, max_new_tokens=3, verify_ms=()):
     V = target.vocab_size
     counts2, counts3 = torch.zeros(V), torch.zeros(V)
     drafter = build_drafter(target, DrafterSpec("draft-model", draft=draft, draft_stop=stop))
     for seed in range(RUNS):
-        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=2, rule=rule, ignore_eos=True, sampling=SamplingConfig(temperature=temperature, seed=seed))
-        out = [t.token_id for e in generate(target, PROMPT, cfg, drafter) if isinstance(e, Step) for t in e.emitted]
+        cfg = DecodeConfig(max_new_tokens=max_new_tokens, k=2, rule=rule, ignore_eos=True, fit_k=bool(verify_ms),
+                           sampling=SamplingConfig(temperature=temperature, seed=seed))
+        out = [t.token_id for e in generate(target, PROMPT, cfg, drafter, verify_ms=verify_ms)
+               if isinstance(e, Step) for t in e.emitted]
         counts2[out[1]] += 1
         counts3[out[2]] += 1
     return counts2, counts3
@@ -94,6 +96,33 @@ def test_a_confidence_stop_keeps_the_target_distribution(models):
     lengths = [len(e.draft_probs) for seed in range(40) for e in generate(target, PROMPT, cfg(seed), build_drafter(target, spec))
                if isinstance(e, Step) and e.index == 1]
     assert 1 in lengths and 2 in lengths  # the stop cut some chains and not others
+
+
+# a forward over 3 tokens costs 1.15x one: before any record (first draft accepted at the prior
+# 0.5) two drafts pay; after a first draft was rejected (its rate 1/3) only one does
+FIT_CURVE = (1000.0, 1000.0, 1150.0)
+
+
+def test_fitted_draft_lengths_keep_the_target_distribution(models):
+    """fit_k chooses a step's draft length from the earlier steps' acceptance: step 2 drafts two
+    tokens after step 1 accepted its first draft, one after it was rejected, so the 3rd output
+    token (step 2's first when step 1 emitted one) comes from a draft length that depends on
+    what the target did before. The marginals are still the target's."""
+    target, draft = models
+    p2, p3 = exact_marginals(target, 1.0)
+    c2, c3 = sample_counts(target, draft, AcceptRule.EXACT, max_new_tokens=6, verify_ms=FIT_CURVE)
+    assert chi_square_pvalue(c2, p2) > ALPHA
+    assert chi_square_pvalue(c3, p3) > ALPHA
+    second = set()
+    for seed in range(40):
+        cfg = DecodeConfig(max_new_tokens=6, k=2, ignore_eos=True, fit_k=True,
+                           sampling=SamplingConfig(temperature=1.0, seed=seed))
+        steps = [e for e in generate(target, PROMPT, cfg, build_drafter(target, DrafterSpec("draft-model", draft=draft)),
+                                     verify_ms=FIT_CURVE) if isinstance(e, Step)]
+        assert steps[1].k == 2  # no record yet: the prior
+        if len(steps) > 2:
+            second.add((steps[1].accepted > 0, steps[2].k))
+    assert (False, 1) in second and (True, 2) in second, second  # the length followed step 1's outcome
 
 
 def test_lossy_typical_acceptance_fails_the_same_test(models):

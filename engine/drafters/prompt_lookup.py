@@ -65,6 +65,7 @@ class LookupFirst:
     def __init__(self, drafter, ngram_min: int, ngram_max: int):
         self.drafter = drafter
         self.name = drafter.name
+        self.tree = getattr(drafter, "tree", None)  # the drafter's tree shape, if it drafts trees
         self.ngram_min, self.ngram_max = ngram_min, min(ngram_max, MAX_NGRAM)
         self.looked_up = self.drafted = 0  # steps each source proposed
 
