@@ -14,7 +14,9 @@ weights than the shipped ones, say an earlier module beside a retrained one; a p
 colons). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
 "baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
-batch-invariant ones, engine.invariant). Methods are checked before any timing starts: an unregistered drafter, an unknown
+batch-invariant ones, engine.invariant). Two change the decoding of a method with a drafter:
+"mtp:k=3" (this method's draft length instead of --k) and "mtp:fit=on" (each step's draft length
+fitted to the machine's verify curve, the method's k at most; engine.draft_length). Methods are checked before any timing starts: an unregistered drafter, an unknown
 variant or an unavailable draft model is one clear line naming the method, never a failure
 halfway through a run.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.decoding import MAX_K
 from engine.drafters import DrafterSpec, build_drafter, drafter_names
 from engine.drafters.base import LOOKUP_DRAFTERS, check_lookup, check_stop
 from engine.drafters.mtp import MTP_KINDS
@@ -56,6 +59,7 @@ VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
             "stop": ("mtp", "draft-model", "early-exit"), "lookup": LOOKUP_DRAFTERS,
             "draft": ("mtp", "draft-model")}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
+DECODE_VARIANTS = {"k": tuple(str(k) for k in range(1, MAX_K + 1)), "fit": ("on",)}  # methods with a drafter
 
 
 def _variants(method: str) -> tuple[str, list[tuple[str, str]]]:
@@ -64,10 +68,12 @@ def _variants(method: str) -> tuple[str, list[tuple[str, str]]]:
     pairs = []
     for variant in parts:
         key, _, value = variant.partition("=")
-        if not (key in TARGET_VARIANTS and value in TARGET_VARIANTS[key]) and (
+        if not (key in TARGET_VARIANTS and value in TARGET_VARIANTS[key]) and not (
+                key in DECODE_VARIANTS and value in DECODE_VARIANTS[key] and name != BASELINE) and (
                 key not in VARIANTS or not value or name not in VARIANTS[key]):
             settings = "; ".join([f"{k}= for {', '.join(v)}" for k, v in VARIANTS.items()]
-                                 + [f"{k}={'|'.join(v)} for any method" for k, v in TARGET_VARIANTS.items()])
+                                 + [f"{k}={'|'.join(v)} for any method" for k, v in TARGET_VARIANTS.items()]
+                                 + [f"k=1..{MAX_K}, fit=on for any method but {BASELINE}"])
             raise InputError(f"method {method!r}: unknown variant {variant!r} (variants: {settings})")
         if key in dict(pairs):
             raise InputError(f"method {method!r} sets {key} twice")
@@ -97,7 +103,7 @@ def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]
             raise InputError(f"method {method!r}: lookup must be an n-gram length") from None
     if key == "draft":
         return {"draft": value}  # built (and a missing folder reported) before the run: check_buildable
-    return {}  # a target variant (target_settings)
+    return {}  # a target variant (target_settings) or a decode variant (decode_settings)
 
 
 def split_method(method: str) -> tuple[str, dict[str, str | None]]:
@@ -126,6 +132,17 @@ def target_settings(method: str) -> dict[str, str]:
     ({'dtype': 'float32'}, {'kernels': 'stock'}, {})
     """
     return {key: value for key, value in _variants(method)[1] if key in TARGET_VARIANTS}
+
+
+def decode_settings(method: str) -> dict[str, int | bool]:
+    """The method's decode variants as DecodeConfig fields (k, fit_k).
+
+    >>> decode_settings("mtp:k=3:fit=on"), decode_settings("mtp:stop=0.4")
+    ({'k': 3, 'fit_k': True}, {})
+    """
+    fields = {"k": "k", "fit": "fit_k"}
+    return {fields[key]: int(value) if key == "k" else True
+            for key, value in _variants(method)[1] if key in DECODE_VARIANTS}
 
 
 def base_name(method: str) -> str:

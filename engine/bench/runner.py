@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.bench.hf import HFMethod, assistant_for, generation_config, hf_generate, hf_methods_for
-from engine.bench.methods import DrafterOptions, check_buildable, target_settings
+from engine.bench.methods import DrafterOptions, check_buildable, decode_settings, target_settings
 from engine.bench.prompts import Prompt
 from engine.decoding import DecodeConfig
 from engine.errors import InputError
@@ -74,8 +74,10 @@ class Entrant:
 
 
 def _engine_entrant(cfg: BenchConfig, method: str) -> Entrant:
+    settings = decode_settings(method)
+
     def run(prompt: Prompt, decode: DecodeConfig):
-        request = RunRequest(prompt=prompt.text, model=cfg.model, raw=prompt.raw, decode=decode,
+        request = RunRequest(prompt=prompt.text, model=cfg.model, raw=prompt.raw, decode=replace(decode, **settings),
                              drafter=cfg.options.spec(method), **target_settings(method))
         prepared = prepare(request)  # a fresh drafter: no draft cache carried over from the last run
         trace = collect(prepared.info, events(prepared))
