@@ -25,7 +25,7 @@ from engine.acceptance import (
     speculative_sample,
     typical_accept,
 )
-from engine.draft_length import DraftLengthFit
+from engine.draft_length import DraftLengthFit, fits
 from engine.drafters.base import Drafter
 from engine.errors import InputError
 from engine.kv import growing_cache
@@ -261,7 +261,7 @@ def generate(
     k = cfg.k
     drafter_name = drafter.name if drafter else "none"
     fit = None
-    if cfg.fit_k and drafter is not None and getattr(drafter, "tree", None) is None:
+    if cfg.fit_k and fits(drafter):
         if not verify_ms:
             from engine.verify_curve import curve_for
 

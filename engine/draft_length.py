@@ -105,20 +105,21 @@ class DraftLengthFit:
             return 0.0
         return stats.draft_s / stats.drafted / (self.verify_ms[0] / 1000)
 
-    def value(self, source: str, m: int) -> float:
-        """Expected tokens per unit of cost of a step that drafts m tokens from this source."""
+    def values(self, source: str, top: int) -> list[float]:
+        """Expected tokens per unit of cost of a step that drafts m = 1..top tokens from this source."""
         stats = self.sources.get(source) or SourceStats()
-        expected, reach = 1.0, 1.0
-        for rate in stats.rates(m):
+        per_draft = self.draft_cost(source)
+        out, expected, reach = [], 1.0, 1.0
+        for m, rate in enumerate(stats.rates(top), start=1):
             reach *= rate
             expected += reach
-        return expected / (self.cost(m + 1) + m * self.draft_cost(source))
+            out.append(expected / (self.cost(m + 1) + m * per_draft))
+        return out
 
     def best(self, source: str, k: int) -> int:
         """The draft length in 1..k (within the measured curve) worth most for this source; ties
         go to the shorter."""
-        top = max(1, min(k, len(self.verify_ms) - 1))
-        values = [self.value(source, m) for m in range(1, top + 1)]
+        values = self.values(source, max(1, min(k, len(self.verify_ms) - 1)))
         return 1 + max(range(len(values)), key=lambda i: (values[i] - 1e-12 * i))
 
     def cap(self, k: int, sources: Sequence[str]) -> int:
@@ -129,3 +130,8 @@ class DraftLengthFit:
     def record(self, source: str, drafted: int, accepted: int, draft_s: float) -> None:
         if drafted:
             self.sources.setdefault(source, SourceStats()).record(drafted, accepted, draft_s)
+
+
+def fits(drafter) -> bool:
+    """Whether fit_k applies to this drafter: a chain drafter (a tree's depth is left as asked)."""
+    return drafter is not None and getattr(drafter, "tree", None) is None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig, Event, Finished, generate
+from engine.draft_length import fits
 from engine.drafters import DrafterSpec, build_drafter
 from engine.errors import InputError
 from engine.metrics import summary
@@ -57,7 +58,7 @@ def prepare(request: RunRequest) -> Prepared:
         drafter=getattr(drafter, "name", "none"),
         k=cfg.k if drafter else 0,
         adaptive=cfg.adaptive and drafter is not None,
-        fit_k=cfg.fit_k and drafter is not None and getattr(drafter, "tree", None) is None,
+        fit_k=cfg.fit_k and fits(drafter),
         temperature=cfg.sampling.temperature,
         top_k=cfg.sampling.top_k,
         top_p=cfg.sampling.top_p,
