@@ -1,6 +1,7 @@
 """The app as users reach it: launched for real, driven through its own API client."""
 
 import json
+import re
 
 import pytest
 from gradio_client import Client, handle_file
@@ -119,6 +120,25 @@ def test_prompt_lookup_first_and_the_draft_stop_are_settings_and_lookup_steps_sa
     assert "prompt lookup drafted **" in readout and "mtp the rest" in readout, readout
     assert "· prompt-lookup ·" in stream and "· mtp ·" in stream
     assert line == plain  # greedy: the same text as plain decoding
+
+
+def test_fit_k_is_a_setting_its_steps_stay_within_k_and_the_text_is_plain_decodings(client):
+    """The playground's "fit k to this machine": the greedy text equals plain decoding's, the
+    readout says how many drafts the steps used (never more than k), the machine note says how
+    they were chosen, and the downloaded trace records it."""
+    client.predict(api_name="/reset")
+    fitted = dict(SETTINGS, prompt="Name three colors and say why you like them.", method="mtp", k=8, fit_k=True,
+                  max_new_tokens=24)
+    plain = client.predict(api_name="/run", speed_s=0, **dict(fitted, method="baseline", fit_k=False))[OUTPUT_LINE]
+    shown = client.predict(api_name="/run", speed_s=0, **fitted)
+    assert shown[OUTPUT_LINE] == plain
+    used = re.search(r"draft length fitted to this machine: \*\*([\d.]+)\*\* drafts per step \((\d+)-(\d+), "
+                     r"k = 8 at most\)", shown[READOUT])
+    assert used, shown[READOUT]
+    assert 1 <= int(used[2]) <= float(used[1]) <= int(used[3]) <= 8
+    assert "Fitted draft lengths" in client.predict(api_name="/charts")[-1]
+    trace = json.loads(open(client.predict(api_name="/download_trace"), encoding="utf-8").read())
+    assert trace["info"]["fit_k"] is True and max(s["k"] for s in trace["steps"]) <= 8
 
 
 def test_a_scenario_button_sets_prompt_method_and_k_and_says_what_to_expect(client):

@@ -127,12 +127,14 @@ def test_scenarios_load_the_winner_first_and_refuse_bad_fields():
     good = {"id": "a", "label": "A", "method": "prompt-lookup", "k": 4, "max_new_tokens": 8, "temperature": 0,
             "expect": "e", "prompt": "p"}
     assert parse_scenarios({"scenarios": [good]})[0].k == 4
-    tuned = parse_scenarios({"scenarios": [{**good, "method": "mtp", "draft_stop": 0.4, "lookup_first": 2}]})[0]
-    assert (tuned.draft_stop, tuned.lookup_first) == (0.4, 2)
+    tuned = parse_scenarios({"scenarios": [{**good, "method": "mtp", "draft_stop": 0.4, "lookup_first": 2,
+                                            "fit_k": True}]})[0]
+    assert (tuned.draft_stop, tuned.lookup_first, tuned.fit_k) == (0.4, 2, True)
+    assert parse_scenarios({"scenarios": [good]})[0].fit_k is False
     for bad, message in [({"k": 0}, "k must be"), ({"method": "nope"}, "unknown method"),
                          ({"temperature": -1}, "temperature"), ({"prompt": " "}, "non-empty"),
                          ({"extra": 1}, "exactly the fields"), ({"draft_stop": 1.5}, "draft stop must be"),
-                         ({"lookup_first": 2}, "lookup_first is for")]:
+                         ({"lookup_first": 2}, "lookup_first is for"), ({"fit_k": "yes"}, "fit_k must be")]:
         with pytest.raises(InputError, match=message):
             parse_scenarios({"scenarios": [{**good, **bad}]})
     with pytest.raises(InputError, match="unique"):

@@ -85,7 +85,7 @@ class PlaygroundState:
 
 
 def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw,
-                  rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0) -> RunRequest:
+                  rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0, fit_k=False) -> RunRequest:
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError("the prompt is empty: type something to continue")
     check_preset(preset)
@@ -102,8 +102,8 @@ def build_request(prompt, preset, method, k, adaptive, temperature, top_k, top_p
         temperature=as_float(temperature, "temperature"), top_k=as_int(top_k, "top-k"),
         top_p=as_float(top_p, "top-p"), seed=as_int(seed, "seed"),
     )
-    decode = DecodeConfig(max_new_tokens=max_new, k=as_int(k, "k"), adaptive=bool(adaptive), sampling=sampling,
-                          rule=AcceptRule(rule))
+    decode = DecodeConfig(max_new_tokens=max_new, k=as_int(k, "k"), adaptive=bool(adaptive), fit_k=bool(fit_k),
+                          sampling=sampling, rule=AcceptRule(rule))
     drafter = DrafterSpec(method, tree=None if tree == CHAIN else tree, lookup_first=as_int(lookup_first, "lookup first"),
                           draft_stop=as_float(draft_stop, "draft stop"))
     return RunRequest(prompt=prompt, model=preset, raw=bool(raw), decode=decode, drafter=drafter, dtype=dtype)
@@ -137,6 +137,11 @@ def readout(session: RunSession, render_ms: float) -> str:
     if looked_up:  # lookup-first: some steps were prompt lookup's
         parts.append(f"prompt lookup drafted **{looked_up}** of {m['target_steps'] - 1} steps, "
                      f"{session.info.drafter} the rest")
+    if session.info.fit_k:
+        used = [s.k for s in session.steps if s.index > 0 and s.k > 0]
+        if used:
+            parts.append(f"draft length fitted to this machine: **{statistics.mean(used):.1f}** drafts per step "
+                         f"({min(used)}-{max(used)}, k = {session.info.k} at most)")
     what = "target step" if plain or last.k == 0 else "draft + verify"
     parts.append(f"last step: {what} {1000 * (last.draft_s + last.verify_s):.0f} ms, render {render_ms:.1f} ms")
     if session.info.lossy:
@@ -274,6 +279,10 @@ def machine_note(session: RunSession | None, baseline_step_s: float | None = Non
                      f"forward here: {verdict_text}. (Measured once, when the model loaded: the median of 3 forwards "
                      f"per point, the lower of two passes; on a busy or shared machine the points scatter by "
                      f"10-20 %.)")
+    if info.fit_k:
+        lines.append(f"Fitted draft lengths: each step drafts m of at most k = {k} tokens, the m that maximises the "
+                     "expected tokens per step (from this run's acceptance so far) divided by the step's cost (this "
+                     "curve at m + 1 tokens plus m drafts). Exact like any draft length: only the speed changes.")
     steps = session.steps
     rate, c = metrics.per_token_acceptance(steps), metrics.cost_ratio(steps, baseline_step_s)
     drafted = [s.k for s in verify_steps(steps) if s.k > 0]
@@ -358,10 +367,10 @@ def errors_in_place(outputs: int):
 
 @errors_in_place(SHOWN)
 def step(state, show_rejected, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens,
-         raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0):
+         raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0, fit_k=False):
     """One draft/verify round: the drafts appear, then the verdict."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree, dtype, lookup_first, draft_stop)
+                tree, dtype, lookup_first, draft_stop, fit_k)
     state = _session_for(state, settings)
     record = state.session.advance()
     if record is not None and record.k > 0:
@@ -372,10 +381,10 @@ def step(state, show_rejected, prompt, preset, method, k, adaptive, temperature,
 
 @errors_in_place(SHOWN)
 def play(state, speed_s, show_rejected, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed,
-         max_new_tokens, raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0):
+         max_new_tokens, raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0, fit_k=False):
     """Stream rounds live; speed_s is the pause between rounds (0: as fast as the model goes)."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree, dtype, lookup_first, draft_stop)
+                tree, dtype, lookup_first, draft_stop, fit_k)
     state = _session_for(state, settings)
     pause = max(0.0, min(2.0, as_float(speed_s, "speed")))
     while state.session.advance() is not None:
@@ -395,13 +404,13 @@ def _live_side(c: Comparison, run: RunSession, label: str, show_rejected: bool):
 
 @errors_in_place(SHOWN + COMPARED)
 def compare(state, rounds, show_rejected, prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed,
-            max_new_tokens, raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0):
+            max_new_tokens, raw, rule, tree, dtype="auto", lookup_first=0, draft_stop=0.0, fit_k=False):
     """Plain decoding, then speculative decoding, on the same prompt, `rounds` times in alternating
     order; the first round streams live. Then the verdict (medians over the rounds: tokens/s,
     speedup, tokens per step, identical or not, and why it won or lost), and the first round's
     speculative run becomes the current run (verify table, charts, trace)."""
     settings = (prompt, preset, method, k, adaptive, temperature, top_k, top_p, seed, max_new_tokens, raw, rule,
-                tree, dtype, lookup_first, draft_stop)
+                tree, dtype, lookup_first, draft_stop, fit_k)
     if method == "baseline":
         raise InputError("choose a drafter as the method: it is compared with the baseline")
     n = as_int(rounds, "compare rounds")
@@ -500,7 +509,7 @@ def scenario_values(scenario: Scenario) -> dict:
     return {"prompt": scenario.prompt, "method": scenario.method, "k": scenario.k, "adaptive": False,
             "temperature": scenario.temperature, "top_k": 0, "top_p": 1.0, "seed": 0,
             "max_new_tokens": scenario.max_new_tokens, "raw": False, "rule": AcceptRule.EXACT.value, "tree": CHAIN,
-            "lookup_first": scenario.lookup_first, "draft_stop": scenario.draft_stop}
+            "lookup_first": scenario.lookup_first, "draft_stop": scenario.draft_stop, "fit_k": scenario.fit_k}
 
 
 def expectation(scenario: Scenario) -> str:
@@ -508,7 +517,7 @@ def expectation(scenario: Scenario) -> str:
 
 
 SCENARIO_FIELDS = ("prompt", "method", "k", "adaptive", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
-                   "raw", "rule", "tree", "lookup_first", "draft_stop")
+                   "raw", "rule", "tree", "lookup_first", "draft_stop", "fit_k")
 
 
 def choose_scenario(scenario: Scenario):
@@ -538,6 +547,9 @@ def build_playground():
             with gr.Row():
                 k = gr.Slider(1, MAX_K, value=scenarios[0].k, step=1, label="k (draft length)", elem_id="k")
                 adaptive = gr.Checkbox(False, label="adaptive k")
+                fit_k = gr.Checkbox(False, label="fit k to this machine", elem_id="fit-k",
+                                    info="chains: each step drafts as far as pays on this machine's verify curve "
+                                         "and the run's acceptance so far, k at most")
             with gr.Row():
                 temperature = gr.Slider(0, 2, value=scenarios[0].temperature, step=0.05,
                                         label="temperature (0 = greedy)", elem_id="temperature")
@@ -616,7 +628,7 @@ def build_playground():
     fields = {"prompt": prompt, "preset": preset, "method": method, "k": k, "adaptive": adaptive,
               "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, "max_new_tokens": max_new,
               "raw": raw, "rule": rule, "tree": tree, "dtype": dtype, "lookup_first": lookup_first,
-              "draft_stop": draft_stop}
+              "draft_stop": draft_stop, "fit_k": fit_k}
     settings = list(fields.values())
     shown = [state, verdict_card, output_line, stream, info, table, top, residual, tree_plot]
     compared = [base_stream, spec_stream, compare_info]

@@ -30,12 +30,14 @@ class Scenario:
     temperature: float
     expect: str  # what the learner should see, shown when the button is pressed
     prompt: str
-    # optional: the model drafters' confidence stop and prompt lookup first (0: off)
+    # optional: the model drafters' confidence stop and prompt lookup first (0: off), and each
+    # step's draft length fitted to this machine's verify curve (chains)
     draft_stop: float = 0.0
     lookup_first: int = 0
+    fit_k: bool = False
 
 
-OPTIONAL = ("draft_stop", "lookup_first")
+OPTIONAL = ("draft_stop", "lookup_first", "fit_k")
 
 
 def parse_scenarios(data: object, where: str = "scenarios") -> tuple[Scenario, ...]:
@@ -62,6 +64,8 @@ def parse_scenarios(data: object, where: str = "scenarios") -> tuple[Scenario, .
             DrafterSpec(item["method"], draft_stop=item.get("draft_stop", 0.0), lookup_first=item.get("lookup_first", 0))
         except InputError as err:
             raise InputError(f"{name}: {err}") from None
+        if not isinstance(item.get("fit_k", False), bool):
+            raise InputError(f"{name}: fit_k must be true or false")
         if item.get("lookup_first") and item["method"] not in LOOKUP_DRAFTERS:
             raise InputError(f"{name}: lookup_first is for {', '.join(LOOKUP_DRAFTERS)}")
         out.append(Scenario(**{**item, "temperature": float(item["temperature"])}))
