@@ -298,6 +298,7 @@ def _playground(f: _Fields, label: str, look_for: str) -> PlaygroundPreset:
         prompt=prompt,
         k=f.integer("k", 1, MAX_K, default=4),
         adaptive=f.flag("adaptive", False),
+        fit_k=f.flag("fit_k", False),
         temperature=f.number("temperature", default=0.0),
         seed=f.integer("seed", 0, 2**63 - 1, default=0),
         max_new_tokens=f.integer("max_new_tokens", 1, MAX_NEW_TOKENS, default=64),
@@ -332,7 +333,7 @@ def _preset(data: object, where: str, problems: list[str]) -> Preset | None:
     label, look_for = f.text("label"), f.text("look_for")
     target = f.data.get("target")
     if target == Target.PLAYGROUND.value:
-        allowed = ("method", "prompt", "k", "adaptive", "temperature", "seed", "max_new_tokens", "rule", "dtype")
+        allowed = ("method", "prompt", "k", "adaptive", "temperature", "seed", "max_new_tokens", "rule", "dtype", "fit_k")
         return _playground(_Fields(f.data.get("settings"), f"{where}: settings", problems, allowed), label, look_for)
     if target == Target.CHUNKED_PREFILL.value:
         allowed = ("scenario", "policy", "chunk_size", "prefix_cache")

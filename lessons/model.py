@@ -86,6 +86,7 @@ class PlaygroundPreset:
     max_new_tokens: int = 64
     rule: AcceptRule = AcceptRule.EXACT
     dtype: str = "auto"  # the target's dtype (engine.models.choose_dtype); "float32" shows a climbing verify curve
+    fit_k: bool = False  # each step's draft length fitted to this machine's verify curve (engine.draft_length)
     target: ClassVar[Target] = Target.PLAYGROUND
 
     def decode_config(self) -> DecodeConfig:
@@ -94,6 +95,7 @@ class PlaygroundPreset:
             max_new_tokens=self.max_new_tokens,
             k=self.k,
             adaptive=self.adaptive,
+            fit_k=self.fit_k,
             sampling=SamplingConfig(temperature=self.temperature, seed=self.seed),
             rule=self.rule,
         )

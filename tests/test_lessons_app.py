@@ -200,7 +200,8 @@ def test_every_try_it_preset_fills_its_tab_with_settings_the_tab_accepts(url):
                                "adaptive": preset.adaptive, "temperature": preset.temperature, "top_k": 0,
                                "top_p": 1.0, "seed": preset.seed, "max_new_tokens": preset.max_new_tokens,
                                "raw": False, "rule": preset.rule.value, "tree": CHAIN,
-                               "dtype": preset.dtype}
+                               "dtype": preset.dtype, "lookup_first": 0, "draft_stop": 0.0,
+                               "fit_k": preset.fit_k}
                 build_request(**got, preset="embedded")  # the playground's own checks pass
             else:
                 got = dict(zip(PREFILL_FIELDS, returned, strict=True))

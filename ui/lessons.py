@@ -56,7 +56,7 @@ TRY_LABELS = {Target.PLAYGROUND: "▶ Try it in the playground",
               Target.CHUNKED_PREFILL: "▶ Try it in chunked prefill"}
 # The playground's settings a preset sets; the ones a preset has no field for go back to their defaults.
 PLAYGROUND_FIELDS = ("prompt", "method", "k", "adaptive", "temperature", "top_k", "top_p", "seed", "max_new_tokens",
-                     "raw", "rule", "tree", "dtype")
+                     "raw", "rule", "tree", "dtype", "lookup_first", "draft_stop", "fit_k")
 PREFILL_FIELDS = ("scenario", "policy", "chunk_size", "max_new_tokens", "prefix_cache")
 CERTIFICATE_PAGE, VERIFY_PAGE = "certificate", "verify"
 REJECTED = "this certificate was not issued by this server, or something in it was changed"
@@ -150,7 +150,7 @@ def playground_values(preset: PlaygroundPreset) -> dict:
     return {"prompt": preset.prompt, "method": preset.method, "k": preset.k, "adaptive": preset.adaptive,
             "temperature": preset.temperature, "top_k": 0, "top_p": 1.0, "seed": preset.seed,
             "max_new_tokens": preset.max_new_tokens, "raw": False, "rule": preset.rule.value, "tree": CHAIN,
-            "dtype": preset.dtype}
+            "dtype": preset.dtype, "lookup_first": 0, "draft_stop": 0.0, "fit_k": preset.fit_k}
 
 
 def prefill_values(preset: ChunkedPrefillPreset) -> dict:
