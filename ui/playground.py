@@ -138,7 +138,7 @@ def readout(session: RunSession, render_ms: float) -> str:
         parts.append(f"prompt lookup drafted **{looked_up}** of {m['target_steps'] - 1} steps, "
                      f"{session.info.drafter} the rest")
     if session.info.fit_k:
-        used = [s.k for s in session.steps if s.index > 0 and s.k > 0]
+        used = [s.k for s in verify_steps(session.steps) if s.k > 0]
         if used:
             parts.append(f"draft length fitted to this machine: **{statistics.mean(used):.1f}** drafts per step "
                          f"({min(used)}-{max(used)}, k = {session.info.k} at most)")

@@ -68,8 +68,8 @@ def explanation(economics: StepEconomics | None, speedup: float, measured: str =
     outcome = ("lose", "lost") if speedup < LOSS else ("win", "won") if speedup > WIN else ("break even", "broke even")
     lead = f"Why it would {outcome[0]}" if estimate else f"Why it {outcome[1]}"
     parts = (f"{lead}: each target step emitted {e.tokens_per_step:.2f} tokens on average, and cost "
-             f"{e.step_cost:.2f} plain steps: drafting {e.k} token{'' if e.k == 1 else 's'} {e.draft_cost:.2f} + verifying {e.k + 1} "
-             f"tokens in one forward {e.verify_cost:.2f} (this machine's measured verify curve). "
+             f"{e.step_cost:.2f} plain steps: drafting {e.k} token{'' if e.k == 1 else 's'} {e.draft_cost:.2f} + "
+             f"verifying {e.k + 1} tokens in one forward {e.verify_cost:.2f} (this machine's measured verify curve). "
              f"Predicted from those parts: {e.tokens_per_step:.2f} / {e.step_cost:.2f} = "
              f"{e.predicted_speedup:.2f}x" + ("." if estimate else f"; {measured}: {speedup:.2f}x."))
     if speedup < LOSS:
