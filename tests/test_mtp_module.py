@@ -304,6 +304,43 @@ def test_stored_answers_let_a_fresh_machine_skip_generation(target, tmp_path, mo
         s.key: s.ids[s.prompt_len:].tolist() for s in first}
 
 
+@torch.inference_mode()
+def test_a_float32_pass_reads_the_answers_written_in_bfloat16(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    """On a CPU that emulates bfloat16 the teacher-forced pass runs in float32 over the committed
+    bfloat16 answers: the answers are reused, not written again, and the rows are float32's."""
+    from engine.train import corpus
+    from engine.train.corpus import corpus_models
+    from engine.models import cpu_bf16_flags
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
+    bf16, f32 = load_model(tiny_target, dtype="bfloat16"), load_model(tiny_target, dtype="float32")
+    answers = tmp_path / "answers"
+    cfg = CorpusConfig(prompts=6, max_new_tokens=6, batch_size=4, top_logits=4)
+    written = load_corpus(build_corpus(bf16, cfg, progress=False, answers_dir=answers))
+    answered_by = []
+    real = corpus.generate_answers
+    monkeypatch.setattr(corpus, "generate_answers", lambda model, *a: answered_by.append(model.dtype) or real(model, *a))
+    shards = build_corpus(f32, cfg, progress=False, answers_dir=answers, answerer=bf16)
+    read = load_corpus(shards)
+    assert answered_by == [] and [s.ids.tolist() for s in read] == [s.ids.tolist() for s in written]
+    assert shards[0].parent == corpus.corpus_dir(f32, cfg, bf16) != corpus.corpus_dir(f32, cfg)
+    info = json.loads((shards[0].parent / "info.json").read_text())
+    assert (info["dtype"], info["answer_dtype"]) == ("float32", "bfloat16")
+    s = read[0]
+    out = f32.model(input_ids=s.ids[None].long(), output_hidden_states=True)
+    assert torch.allclose(s.hidden.float(), out.hidden_states[-1][0], atol=0.02)  # float32's rows (stored in bfloat16)
+    assert torch.equal(s.top_ids[:, 0].long(), out.logits[0].argmax(-1))
+    more = CorpusConfig(prompts=10, max_new_tokens=6, batch_size=4, top_logits=4)
+    assert len(load_corpus(build_corpus(f32, more, progress=False, answers_dir=answers, answerer=bf16))) == 10
+    assert answered_by and set(answered_by) == {torch.bfloat16}  # a missing answer is written in the answers' dtype
+    with pytest.raises(InputError, match="own"):
+        build_corpus(f32, cfg, progress=False, answerer=load_model(tiny_draft, dtype="float32"))
+    teacher, answerer = corpus_models(tiny_target, "bfloat16")
+    assert answerer.dtype == torch.bfloat16 and teacher.dtype == (torch.bfloat16 if cpu_bf16_flags() else torch.float32)
+    teacher, answerer = corpus_models(tiny_target, "float32")
+    assert teacher is answerer
+
+
 # --- the trainer --------------------------------------------------------------------------------
 
 def test_evaluated_acceptance_is_what_decoding_with_the_module_accepts(tiny_target, tmp_path, monkeypatch):

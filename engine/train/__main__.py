@@ -3,7 +3,8 @@
 Every trainer first self-distils (the target answers a prompt set; cached under
 $SPECLAB_CACHE/train, so reruns skip it), then trains, then writes weights + card.json to --out.
 mtp-heads and draft-model read the templated prompts.jsonl; corpus and mtp-module read the real
-prompts of train_prompts.jsonl (engine/train/corpus.py, DATA.md) in bfloat16, and with
+prompts of train_prompts.jsonl (engine/train/corpus.py, DATA.md), answered in bfloat16 (the
+teacher-forced pass and training in float32 on a CPU that emulates bfloat16), and with
 --self-prompts the requests self-prompts had the target write (engine/train/self_prompts.py), with
 --task-prompts the requests about a text that task-prompts made from its answers (task_prompts.py).
 """
@@ -26,8 +27,8 @@ from engine.errors import InputError
 from engine.models import load_model
 from engine.mtp.weights import WEIGHTS_DIR, resolve_weights
 from engine.train.common import answered, write_vocabulary
-from engine.train.corpus import (ANSWERS_DIR, SPLITS, CorpusConfig, answer_examples, build_corpus, corpus_dir,
-                                 corpus_stats, load_corpus)
+from engine.train.corpus import (ANSWERS_DIR, SPLITS, TEACHER_DTYPES, CorpusConfig, answer_examples, build_corpus,
+                                 corpus_dir, corpus_models, corpus_stats, load_corpus)
 from engine.train.module import ModuleConfig, train_module
 from engine.train.data import DataConfig, Dataset, build_dataset
 from engine.train.draft import DraftConfig, train_draft
@@ -125,6 +126,9 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=CorpusConfig.max_new_tokens, help="answer length cap")
     p.add_argument("--data-batch", type=int, default=CorpusConfig.batch_size, help="prompts answered together")
     p.add_argument("--dtype", default="bfloat16", help="the target's dtype while answering")
+    p.add_argument("--teacher-dtype", default="auto", choices=TEACHER_DTYPES,
+                   help="the target's dtype in the teacher-forced pass whose hidden states and logits the module "
+                        "learns from (auto: the answers' dtype, float32 where this CPU emulates bfloat16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -136,7 +140,7 @@ def _answers_dir(args: argparse.Namespace) -> Path | None:
     return None if args.answers_dir == "none" else Path(args.answers_dir)
 
 
-def _splits(target, base: CorpusConfig, counts: dict[str, int], args: argparse.Namespace) -> dict[str, list]:
+def _splits(target, answerer, base: CorpusConfig, counts: dict[str, int], args: argparse.Namespace) -> dict[str, list]:
     """The corpus's sequences of each split asked for (built, or read from the cache)."""
     data = {}
     for split, n in counts.items():
@@ -144,8 +148,13 @@ def _splits(target, base: CorpusConfig, counts: dict[str, int], args: argparse.N
             data[split] = []
             continue
         cfg = CorpusConfig(**{**base.__dict__, "split": split, "prompts": n})
-        data[split] = load_corpus(build_corpus(target, cfg, not getattr(args, "quiet", False), _answers_dir(args)))
+        data[split] = load_corpus(build_corpus(target, cfg, not getattr(args, "quiet", False), _answers_dir(args),
+                                               answerer=answerer))
     return data
+
+
+def _dtypes(teacher, answerer) -> dict:
+    return {"answer_dtype": str(answerer.dtype).removeprefix("torch."), "teacher_dtype": str(teacher.dtype).removeprefix("torch.")}
 
 
 def _prompt_files(args: argparse.Namespace) -> str:
@@ -155,35 +164,38 @@ def _prompt_files(args: argparse.Namespace) -> str:
 
 def _corpus_dataset(args: argparse.Namespace) -> Dataset:
     """The heads' and the draft model's data from the MTP module's corpus (answer rows only)."""
-    answering = load_model(args.model, device="cpu", dtype="bfloat16", kernels="stock")  # batched: stock kernels
+    teacher, answerer = corpus_models(args.model, "bfloat16")
     base = CorpusConfig(prompts=args.corpus, seed=args.seed)
-    data = _splits(answering, base, {"train": args.corpus, "self": args.self_prompts, "tasks": args.task_prompts,
-                                     "heldout": args.heldout}, args)
+    data = _splits(teacher, answerer, base, {"train": args.corpus, "self": args.self_prompts, "tasks": args.task_prompts,
+                                             "heldout": args.heldout}, args)
     train = data["train"] + data["self"] + data["tasks"]
-    info = {"model": answering.spec, "prompts_file": _prompt_files(args), "corpus": corpus_dir(answering, base).name,
-            "answer_dtype": "bfloat16", "settings": {**base.__dict__, "split": None}, "sources": corpus_stats(train)["sources"]}
+    info = {"model": teacher.spec, "prompts_file": _prompt_files(args), "corpus": corpus_dir(teacher, base, answerer).name,
+            **_dtypes(teacher, answerer), "settings": {**base.__dict__, "split": None},
+            "sources": corpus_stats(train)["sources"]}
     return Dataset(answer_examples(train, "train") + answer_examples(data["heldout"], "heldout"), info)
 
 
 def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
-    target = load_model(args.model, device="cpu", dtype=args.dtype, kernels="stock")  # batched: stock kernels
     base = CorpusConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, batch_size=args.data_batch,
                         seed=args.seed)
     progress = not args.quiet
+    if args.command == "corpus" and args.answers_only:
+        answerer = load_model(args.model, device="cpu", dtype=args.dtype, kernels="stock")  # batched: stock kernels
+        cfg = CorpusConfig(**{**base.__dict__, "split": args.split})
+        build_corpus(answerer, cfg, progress, _answers_dir(args), answers_only=True)
+        print(f"answers of {cfg.prompts or 'all'} {args.split} prompts in {_answers_dir(args)}")
+        return 0
+    target, answerer = corpus_models(args.model, args.dtype, args.teacher_dtype)
     if args.command == "corpus":
         cfg = CorpusConfig(**{**base.__dict__, "split": args.split})
-        if args.answers_only:
-            build_corpus(target, cfg, progress, _answers_dir(args), answers_only=True)
-            print(f"answers of {cfg.prompts or 'all'} {args.split} prompts in {_answers_dir(args)}")
-            return 0
-        shards = build_corpus(target, cfg, progress, _answers_dir(args))
-        seqs = load_corpus(shards)
-        print(f"{corpus_dir(target, cfg)}: {len(seqs)} {args.split} sequences, {sum(s.answer_len for s in seqs)} answer positions")
+        seqs = load_corpus(build_corpus(target, cfg, progress, _answers_dir(args), answerer=answerer))
+        print(f"{corpus_dir(target, cfg, answerer)}: {len(seqs)} {args.split} sequences, "
+              f"{sum(s.answer_len for s in seqs)} answer positions")
         return 0
-    data = _splits(target, base, {"train": base.prompts, "self": args.self_prompts, "tasks": args.task_prompts,
-                                  "heldout": args.heldout, "spec-bench": args.spec_bench}, args)
-    info = {"prompts_file": _prompt_files(args), "corpus": corpus_dir(target, base).name, "answer_dtype": args.dtype,
-            "settings": {**base.__dict__, "split": None}}
+    data = _splits(target, answerer, base, {"train": base.prompts, "self": args.self_prompts, "tasks": args.task_prompts,
+                                            "heldout": args.heldout, "spec-bench": args.spec_bench}, args)
+    info = {"prompts_file": _prompt_files(args), "corpus": corpus_dir(target, base, answerer).name,
+            **_dtypes(target, answerer), "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
                        lr=args.lr, seed=args.seed, minutes=args.minutes,
                        init=str(resolve_weights(args.init)) if args.init else "")

@@ -16,8 +16,9 @@ KV cache over the whole context), so it is trained on the same kind of pass, not
 step-by-step generation's.
 
 Cost on a small CPU: answers are generated in batches of similar-length prompts (left padded)
-in bfloat16 with transformers' own kernels, the fastest batched path here; the batch's
-sequences then go through one right-padded forward. Each batch is saved as its own shard the
+in bfloat16 with transformers' own kernels; the batch's sequences then go through one
+right-padded forward (the teacher-forced pass), in bfloat16 too where the CPU has bfloat16
+instructions, in float32 over the same answers where it emulates bfloat16 (`answerer` below). Each batch is saved as its own shard the
 moment it exists, so an interrupted build resumes where it stopped; a shard's name fixes which
 prompts it holds (a seeded draw), so reruns and larger builds reuse every shard made before.
 """
@@ -36,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 from engine.errors import InputError
-from engine.models import LoadedModel, cache_root
+from engine.models import LoadedModel, cache_root, load_model
+from engine.train.common import fast_bfloat16
 
 TRAIN_PROMPTS = Path(__file__).with_name("train_prompts.jsonl")
 HELDOUT_EVERY = 20  # row i is held out when i % 20 == 0
@@ -109,12 +111,32 @@ def drawn(split: str, n: int, seed: int) -> list[tuple[str, str, str]]:
     return rows[:n] if n else rows
 
 
-def corpus_dir(target: LoadedModel, cfg: CorpusConfig) -> Path:
+TEACHER_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def corpus_models(model: str, answer_dtype: str, teacher_dtype: str = "auto") -> tuple[LoadedModel, LoadedModel]:
+    """(teacher, answerer): the target for the teacher-forced pass (and training), and the same
+    target in the dtype its answers are written in (the committed answers: bfloat16). teacher
+    "auto": the answers' dtype, or float32 where this CPU emulates bfloat16. Both on
+    transformers' own kernels: the corpus runs batched forwards."""
+    if teacher_dtype not in TEACHER_DTYPES:
+        raise InputError(f"teacher dtype must be one of {', '.join(TEACHER_DTYPES)} (got {teacher_dtype!r})")
+    answerer = load_model(model, device="cpu", dtype=answer_dtype, kernels="stock")
+    if teacher_dtype == "auto":
+        slow = answerer.dtype in (torch.bfloat16, torch.float16) and not fast_bfloat16(answerer.device)
+        teacher_dtype = "float32" if slow else answer_dtype
+    return load_model(model, device="cpu", dtype=teacher_dtype, kernels="stock"), answerer
+
+
+def corpus_dir(target: LoadedModel, cfg: CorpusConfig, answerer: LoadedModel | None = None) -> Path:
     """Shards live under what changes their content: the target, its dtype, the answer cap, K and
-    the draw's seed (not the number of prompts: more prompts only add shards)."""
-    key = json.dumps([target.spec, str(target.dtype), cfg.max_new_tokens, cfg.max_prompt_tokens, cfg.top_logits,
-                      cfg.batch_size, cfg.seed])
-    return cache_root() / "train" / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    the draw's seed (not the number of prompts: more prompts only add shards), and the answering
+    model's dtype where it is not the teacher's."""
+    key = [target.spec, str(target.dtype), cfg.max_new_tokens, cfg.max_prompt_tokens, cfg.top_logits, cfg.batch_size,
+           cfg.seed]
+    if answerer is not None and answerer.dtype != target.dtype:
+        key.append(f"answered in {answerer.dtype}")
+    return cache_root() / "train" / f"corpus-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}"
 
 
 def _batches(target: LoadedModel, cfg: CorpusConfig) -> list[tuple[str, list[tuple[str, str, list[int]]]]]:
@@ -218,27 +240,36 @@ def _save(shard: dict, path: Path) -> None:
 
 
 def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True,
-                 answers_dir: Path | None = None, answers_only: bool = False) -> list[Path]:
+                 answers_dir: Path | None = None, answers_only: bool = False,
+                 answerer: LoadedModel | None = None) -> list[Path]:
     """Answer the draw's prompts that no shard holds yet; returns the draw's shard files. A shard
     is reused only if it holds exactly the prompts its batch asks for (info.json keeps each
     shard's keys): a larger draw changes the last, partial block, which is then answered again.
     With answers_dir, answers come from (and new ones go to) an AnswerStore there, so only the
     teacher-forced pass runs for prompts answered before, on any machine. answers_only: only fill
-    the store (no shards; returns [])."""
-    store = AnswerStore(answers_dir, target, cfg) if answers_dir is not None else None
+    the store (no shards; returns []).
+
+    answerer: the same target loaded in the dtype its answers are written in (default: `target`).
+    The committed answers are bfloat16 ones; on a CPU without bfloat16 instructions the
+    teacher-forced pass (`target`) runs in float32, 4-5x faster there, and reads the hidden states
+    the float32 target gives the drafter at run time, while the answers stay the committed ones."""
+    answerer = target if answerer is None else answerer
+    if answerer.spec != target.spec:
+        raise InputError(f"the answers must be {target.spec}'s own (got {answerer.spec})")
+    store = AnswerStore(answers_dir, answerer, cfg) if answers_dir is not None else None
     if answers_only:
         if store is None:
             raise InputError("answers only needs an answers folder")
         todo = [batch for _, batch in _batches(target, cfg) if store.get(batch) is None]
         for batch in tqdm(todo, desc=f"answers {cfg.split}", unit="batch", disable=not progress):
-            store.put(batch, generate_answers(target, batch, cfg))
+            store.put(batch, generate_answers(answerer, batch, cfg))
         return []
-    folder = corpus_dir(target, cfg)
+    folder = corpus_dir(target, cfg, answerer)
     folder.mkdir(parents=True, exist_ok=True)
     info_path = folder / "info.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {
-        "target": target.spec, "dtype": str(target.dtype).removeprefix("torch."), "settings": asdict(cfg),
-        "seconds": {}, "shards": {}}
+        "target": target.spec, "dtype": str(target.dtype).removeprefix("torch."),
+        "answer_dtype": str(answerer.dtype).removeprefix("torch."), "settings": asdict(cfg), "seconds": {}, "shards": {}}
     batches = _batches(target, cfg)
     todo = [(name, batch) for name, batch in batches
             if not (folder / f"{name}.pt").is_file() or info["shards"].get(name) != [key for key, _, _ in batch]]
@@ -247,7 +278,7 @@ def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True,
         begin = time.perf_counter()
         answers = store.get(batch) if store is not None else None
         if answers is None:
-            answers = generate_answers(target, batch, cfg)
+            answers = generate_answers(answerer, batch, cfg)
             if store is not None:
                 store.put(batch, answers)
         seqs = teacher_forced(target, batch, answers, cfg)

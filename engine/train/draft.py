@@ -18,7 +18,8 @@ from tqdm import tqdm
 from engine.models import LoadedModel
 from engine.mtp.distilled import KIND, build_draft, trained_modules
 from engine.mtp.weights import save_weights
-from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, answered, write_vocabulary
+from engine.train.common import (answered, budget_steps, card_base, cosine_lr, fast_bfloat16, seed_everything,
+                                 write_vocabulary)
 from engine.train.data import Dataset, Example
 
 
@@ -83,7 +84,7 @@ def train_draft(target: LoadedModel, data: Dataset, cfg: DraftConfig, out: Path,
             group["lr"] = cosine_lr(step, steps, cfg.lr, cfg.warmup)
         batch = [train[int(i)] for i in torch.randint(0, len(train), (cfg.batch,), generator=gen)]
         losses = []
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=str(target.device).startswith("cpu")):
+        with torch.autocast(torch.device(target.device).type, dtype=torch.bfloat16, enabled=fast_bfloat16(target.device)):
             forward = _forward(draft, batch, pad)
         for logits, e in zip(forward, batch):
             ids, probs = _soft_targets(e)

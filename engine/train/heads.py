@@ -18,7 +18,8 @@ from engine.models import LoadedModel
 from engine.mtp.heads import KIND, MTPHeads
 from engine.mtp.tree import best_tree
 from engine.mtp.weights import save_weights
-from engine.train.common import budget_steps, card_base, cosine_lr, seed_everything, answered, train_vocabulary, write_vocabulary
+from engine.train.common import (answered, budget_steps, card_base, cosine_lr, fast_bfloat16, seed_everything,
+                                 train_vocabulary, write_vocabulary)
 from engine.train.data import Dataset, Example
 
 IGNORE = -100
@@ -105,7 +106,7 @@ def train_heads(target: LoadedModel, data: Dataset, cfg: HeadsConfig, out: Path,
         idx = torch.randint(0, hidden.shape[0], (cfg.batch,), generator=gen)
         y = labels[idx]  # (b, heads)
         y = torch.where(y == IGNORE, y, to_vocab[y.clamp_min(0)])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lm_weight.device.type == "cpu"):
+        with torch.autocast(lm_weight.device.type, dtype=torch.bfloat16, enabled=fast_bfloat16(lm_weight.device)):
             logits = heads(hidden[idx].float()) @ train_weight.T  # (b, heads, S)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         opt.zero_grad()

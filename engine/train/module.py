@@ -38,7 +38,8 @@ from engine.models import LoadedModel, cache_root
 from engine.mtp.module import KIND, build_module, trained_state
 from engine.errors import InputError
 from engine.mtp.weights import load_weights, read_card_for, save_weights
-from engine.train.common import answered, budget_steps, cosine_lr, seed_everything, train_vocabulary, write_vocabulary
+from engine.train.common import (answered, budget_steps, cosine_lr, fast_bfloat16, seed_everything, train_vocabulary,
+                                 write_vocabulary)
 from engine.train.corpus import Sequence, corpus_stats
 
 
@@ -147,7 +148,7 @@ def evaluate(module, weight: torch.Tensor, vocab: torch.Tensor, seqs: list[Seque
         ids, hidden, top_ids, top_logits, prompt_len, length = _batch(seqs, group, pad)
         t = ids.shape[1]
         dtype = next(module.layers.parameters()).dtype
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and hidden.device.type == "cpu"):
+        with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=autocast and fast_bfloat16(hidden.device)):
             outs = dict(unroll(module, ids, hidden.to(dtype), depths))
         # right[d-1]: (B, t) bool at anchor row i: depth d's draft equals the target's choice
         right = torch.zeros(depths, *ids.shape, dtype=torch.bool)
@@ -268,7 +269,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
             order.append(i)
             positions += int(train[i].ids.shape[0])
         batch = _batch(train, order, pad)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weight.device.type == "cpu"):
+        with torch.autocast(weight.device.type, dtype=torch.bfloat16, enabled=fast_bfloat16(weight.device)):
             loss = module_loss(module, weight, to_vocab, (batch[0], batch[1].float(), *batch[2:]), cfg.depths)
         opt.zero_grad()
         loss.backward()
