@@ -19,7 +19,7 @@ from engine.mtp.module import KIND, build_module, load_module, trained_state
 from engine.mtp.weights import CARD_FILE, save_weights
 from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
 from engine.drafters.vocab import load_vocabulary
-from engine.train.module import ModuleConfig, evaluate, train_module, training_vocabulary
+from engine.train.module import ModuleConfig, category, evaluate, train_module, training_vocabulary
 from engine.mtp.tree import DynamicTree, order_paths, tree_shape
 from engine.sampling import SamplingConfig
 from engine.trace import Step
@@ -370,6 +370,11 @@ def test_evaluated_acceptance_is_what_decoding_with_the_module_accepts(tiny_targ
                 compared += 1
                 accepted += step.accepted
     assert compared >= 5 and accepted > 0  # chains were compared, and some drafts were accepted
+    per_category = {}  # the per-category figure is the mean over that category's anchors, + 1
+    for s, per_anchor in zip(seqs, report["per_anchor"]):
+        per_category.setdefault(category(s.source), []).extend(n for n in per_anchor if n is not None)
+    assert report["mean_acceptance_length_k3_by_category"] == {c: round(1 + sum(v) / len(v), 4)
+                                                               for c, v in sorted(per_category.items())}
 
 
 def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.bench.prompts import MT_BENCH
 from engine.models import LoadedModel, cache_root
 from engine.mtp.module import KIND, build_module, trained_state
 from engine.errors import InputError
@@ -136,10 +137,13 @@ def module_loss(module, weight: torch.Tensor, to_vocab: torch.Tensor, batch: tup
 def evaluate(module, weight: torch.Tensor, vocab: torch.Tensor, seqs: list[Sequence], depths: int, pad: int,
              batch_positions: int = 4096, autocast: bool = True, per_anchor: bool = False) -> dict:
     """Per-depth top-1 / top-5 and the k-chain acceptance length, teacher forced (see the module
-    docstring). A depth's truth is the target's own greedy choice (its top-1 logit there).
-    per_anchor: also each sequence's accepted drafts per anchor row (None where no chain starts)."""
+    docstring), over all sequences and per category (`category`; Spec-Bench's MT-bench kinds
+    count as one, mt_bench, as its table does). A depth's truth is the target's own greedy choice
+    (its top-1 logit there). per_anchor: also each sequence's accepted drafts per anchor row
+    (None where no chain starts)."""
     module.eval()
     anchors_of: list[list[int | None]] = [[] for _ in seqs]
+    by_category: dict[str, list[float]] = {}  # category -> [accepted drafts, anchors]
     hits = torch.zeros(depths, 2)  # top-1, top-5 counts
     conditional = torch.zeros(depths, 2)  # (right, tried) given the depths before were right
     counted = torch.zeros(depths)
@@ -179,6 +183,9 @@ def evaluate(module, weight: torch.Tensor, vocab: torch.Tensor, seqs: list[Seque
         anchors += int(anchor.sum())
         for b, i in enumerate(group):
             anchors_of[i] = [int(n) if a else None for n, a in zip(lengths[b].tolist(), anchor[b].tolist())]
+            counts = by_category.setdefault(category(seqs[i].source), [0.0, 0])
+            counts[0] += float(lengths[b][anchor[b]].sum())
+            counts[1] += int(anchor[b].sum())
     module.train()
     n = counted.clamp_min(1)
     return ({"per_anchor": [row[: int(s.ids.shape[0])] for row, s in zip(anchors_of, seqs)]} if per_anchor else {}) | {
@@ -186,8 +193,19 @@ def evaluate(module, weight: torch.Tensor, vocab: torch.Tensor, seqs: list[Seque
         "top5": [round(float(v), 4) for v in hits[:, 1] / n],
         "accepted_given_previous": [round(float(r / max(c, 1)), 4) for r, c in conditional],
         f"mean_acceptance_length_k{depths}": round(1 + accepted_total / max(anchors, 1), 4),
+        f"mean_acceptance_length_k{depths}_by_category": {c: round(1 + a / max(n, 1), 4) for c, (a, n) in sorted(by_category.items())},
         "positions": [int(c) for c in counted],
     }
+
+
+def category(source: str) -> str:
+    """A sequence's category in the evaluation: its source, with Spec-Bench's eight MT-bench kinds
+    as one (mt_bench).
+
+    >>> category("writing"), category("translation"), category("gsm8k-train")
+    ('mt_bench', 'translation', 'gsm8k-train')
+    """
+    return "mt_bench" if source in MT_BENCH else source
 
 
 def _groups(seqs: list[Sequence], order: list[int], batch_positions: int) -> list[list[int]]:
