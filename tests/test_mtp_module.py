@@ -416,6 +416,8 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     assert all(abs(a - b) < 0.05 for a, b in zip(before["top1"], trained["top1"]))
     assert before != card["evaluation_before_training"]["heldout"]  # not the untrained module
     assert [run["steps_run"] for run in second["training_history"]] == [8] and second["training"]["steps_run"] == 4
+    # it draws other batches than the run it continues (same --seed, same corpus)
+    assert card["training"]["draw_seed"] == card["training"]["seed"] != second["training"]["draw_seed"]
     assert main(warm + ["--init", "no-such-weights"]) == 2
 
 

@@ -239,6 +239,21 @@ def _shown(path: str) -> str:
         return Path(path).name
 
 
+def draw_seed(seed: int, history: list[dict]) -> int:
+    """The seed of a run's batch draws. A warm-started run is offset by the steps its history
+    already took, so it draws new batches instead of replaying the first ones of the run before it
+    (which used the same --seed on the same corpus).
+
+    >>> draw_seed(0, [])
+    0
+    >>> draw_seed(0, [{"steps_run": 469}, {"steps_run": 213}])
+    682000682
+    >>> draw_seed(0, [{"steps_run": 469}]) != draw_seed(0, [{"steps_run": 469}, {"steps_run": 213}])
+    True
+    """
+    return seed + 1_000_001 * sum(int(run.get("steps_run") or 0) for run in history)
+
+
 def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, list[Sequence]], cfg: ModuleConfig,
                  out: Path, command: str, data_info: dict, progress: bool = True) -> dict:
     gen = seed_everything(cfg.seed)
@@ -254,6 +269,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         history = card.get("training_history", []) + [{k: card["training"].get(k) for k in
                                                       ("steps_run", "batch_positions", "lr", "train_s", "final_loss")}
                                                      | {"command": card.get("command")}]
+    gen.manual_seed(draw_seed(cfg.seed, history))
     module.train()
     vocab = training_vocabulary(train, target.vocab_size)
     to_vocab = torch.full((target.vocab_size,), -1, dtype=torch.long)
@@ -319,7 +335,7 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         "command": command,
         "data": {**data_info, "train": corpus_stats(train), **{f"eval_{k}": corpus_stats(v) for k, v in evals.items()}},
         "training": {**asdict(cfg), "init": _shown(cfg.init), "steps_run": steps, "final_loss": round(float(loss), 4), "train_s": round(seconds, 1),
-                     "train_vocabulary": int(len(vocab))},
+                     "train_vocabulary": int(len(vocab)), "draw_seed": draw_seed(cfg.seed, history)},
         "training_history": history,  # the runs before this one, when it started from their weights
         "evaluation": after,
         "evaluation_before_training": before,
