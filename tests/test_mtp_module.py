@@ -302,6 +302,15 @@ def test_stored_answers_let_a_fresh_machine_skip_generation(target, tmp_path, mo
     only = corpus.AnswerStore(tmp_path / "only", target, cfg)
     assert {key: row["answer"] for key, row in only.rows.items()} == {
         s.key: s.ids[s.prompt_len:].tolist() for s in first}
+    # a batch answered again (one of its keys missing) adds that answer and keeps the stored ones,
+    # which another machine's kernels could answer differently
+    (_, batch), *_ = corpus._batches(target, cfg)
+    held = {key: row["answer"] for key, row in only.rows.items()}
+    del only.rows[batch[0][0]]
+    only.put(batch, [[7, 7]] * len(batch))
+    reread = corpus.AnswerStore(tmp_path / "only", target, cfg)
+    assert reread.rows[batch[0][0]]["answer"] == [7, 7]
+    assert all(reread.rows[key]["answer"] == held[key] != [7, 7] for key, _, _ in batch[1:])
 
 
 @torch.inference_mode()

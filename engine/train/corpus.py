@@ -222,8 +222,12 @@ class AnswerStore:
         return [r["answer"] for r in rows]
 
     def put(self, batch: list[tuple[str, str, list[int]]], answers: list[list[int]]) -> None:
+        """Adds the batch's answers the store lacks. One it holds for the same prompt is kept: a
+        batch is answered again when one of its keys is missing, and on another machine (bfloat16
+        emulated, other kernels) its other answers can come out different from the committed ones."""
         for (key, _, prompt), answer in zip(batch, answers):
-            self.rows[key] = {"key": key, "prompt": prompt, "answer": answer}
+            if self.rows.get(key, {}).get("prompt") != prompt:
+                self.rows[key] = {"key": key, "prompt": prompt, "answer": answer}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as f:
@@ -282,6 +286,7 @@ def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True,
             answers = generate_answers(answerer, batch, cfg)
             if store is not None:
                 store.put(batch, answers)
+                answers = store.get(batch)  # the committed answers where the store held them
         seqs = teacher_forced(target, batch, answers, cfg)
         _save({"sequences": [asdict(s) for s in seqs]}, folder / f"{name}.pt")
         seconds = time.perf_counter() - begin
