@@ -85,7 +85,7 @@ def explanation(economics: StepEconomics | None, speedup: float, measured: str =
 def verdict_card_html(v: Verdict) -> str:
     color = _tone(v.speedup)
     word = "faster" if v.speedup > WIN else "slower" if v.speedup < LOSS else "about as fast"
-    headline = (f'<span style="font-size:2.2em;font-weight:700;color:{color}" data-speedup="{v.speedup:.3f}">'
+    headline = (f'<span style="font-size:2.2em;font-weight:700;color:{color}" data-speedup="{float(v.speedup)!r}">'
                 f"{v.speedup:.2f}&times;</span> <span style=\"font-size:1.2em\">{word} than plain decoding with "
                 f"<b>{escape(v.method)}</b></span>")
     if v.identical is None:
