@@ -12,7 +12,9 @@ proves the fix on the embedded model and on a tiny one):
   (two copies of the row, one result kept), with its weight prepacked in oneDNN's layout
   (`PackedWeight`: F.linear reorders the weight at every call, which for a few rows costs as much as
   the product); each packed shape is checked at its first use to give a row the same bits at
-  every row count a verification, tree or prefill chunk uses, and takes F.linear if not.
+  every row count a verification, tree or prefill chunk uses, and takes F.linear if not. Where
+  only calls of up to some row count agree (a Xeon with AMX: 32), longer forwards run in blocks
+  of that many rows.
 - Attention: SDPA (and transformers' eager path) reduce over a number of keys and with kernels
   that depend on the query count. `invariant_attention` computes each query's attention with
   shapes that do not: the queries sharing a key/value head are stacked (GQA: groups x tokens
@@ -112,7 +114,8 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     real = g * t
     if pad:
         rows = torch.cat([rows, rows[..., :1, :].expand(*rows.shape[:-2], pad, d)], dim=-2)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float().mul_(scale)  # (..., Hkv, rows, N')
+    most = ANY_ROWS if rows.dtype == torch.float32 else _attention_rows(rows.dtype)
+    scores = _matmul_in_blocks(rows, key.transpose(-1, -2), most).float().mul_(scale)  # (..., Hkv, rows, N')
     if pad:
         scores = scores[..., :real, :]
     if bias is not None:  # (..., T, N') -> shared by the heads and the query groups
@@ -123,10 +126,73 @@ def _grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     weights = invariant_softmax(scores).to(value.dtype)
     if pad:
         weights = torch.cat([weights, weights[..., :1, :].expand(*weights.shape[:-2], pad, weights.shape[-1])], dim=-2)
-    out = torch.matmul(weights, value)  # (..., Hkv, rows, D)
+    out = _matmul_in_blocks(weights, value, most)  # (..., Hkv, rows, D)
     if pad:
         out = out[..., :real, :]
     return out.reshape(*lead, hq, t, d).transpose(-2, -3)  # (..., T, Hq, D)
+
+
+def _matmul_in_blocks(a: torch.Tensor, b: torch.Tensor, most: int) -> torch.Tensor:
+    """a @ b in calls of at most `most` rows of a (the last two dims multiply), each of at least
+    two rows (a lone last row as two copies of itself, one result kept)."""
+    r = a.shape[-2]
+    if r <= most:
+        return torch.matmul(a, b)
+    outs = []
+    for lo in range(0, r, most):
+        part = a[..., lo:lo + most, :]
+        if part.shape[-2] == 1:
+            outs.append(torch.matmul(torch.cat([part, part], dim=-2), b)[..., :1, :])
+        else:
+            outs.append(torch.matmul(part, b))
+    return torch.cat(outs, dim=-2)
+
+
+_ATTENTION_ROWS: dict[torch.dtype, int] = {}  # dtype -> _attention_block_rows
+
+
+def _attention_rows(dtype: torch.dtype) -> int:
+    if dtype not in _ATTENTION_ROWS:
+        with _pack_lock:
+            if dtype not in _ATTENTION_ROWS:
+                _ATTENTION_ROWS[dtype] = _attention_block_rows(dtype)
+    return _ATTENTION_ROWS[dtype]
+
+
+ATTENTION_CHECK_KEYS = (256, 1024, 1280, 2048)  # key counts the attention's products are checked at
+
+
+@torch.inference_mode()
+def _attention_block_rows(dtype: torch.dtype, heads: int = 3, dim: int = 64, seed: int = 0) -> int:
+    """The most query rows one of the attention's 16-bit batched products (scores = rows @ keys^T,
+    reducing over the head dimension; the weighted sum of values = weights @ values, reducing over
+    the keys) may take with each row getting the bits it gets in a call of two rows, as
+    _packed_block_rows decides it for the linears: ANY_ROWS where every count in CHECK_ROWS
+    agrees, else the largest of BLOCK_ROWS up to which every count does (2 if none: the fewest
+    the attention ever uses). On a Xeon with AMX the weighted sum of values over 1,024 or 1,280
+    keys gave rows 33-48 of a call other bits (a 64-token prefill block is 192 query rows with
+    three query heads per key/value head); up to 32 rows agree."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = max(CHECK_ROWS)
+
+    def counts_agree(counts) -> bool:
+        for n in ATTENTION_CHECK_KEYS:
+            keys = torch.randn(1, heads, dim, n, generator=gen).to(dtype)
+            values = torch.randn(1, heads, n, dim, generator=gen).to(dtype)
+            for a, b in ((torch.randn(1, heads, pool, dim, generator=gen).to(dtype), keys),
+                         (torch.softmax(torch.randn(1, heads, pool, n, generator=gen) * 3, -1).to(dtype), values)):
+                alone = torch.cat([torch.matmul(torch.cat([a[..., i:i + 1, :]] * 2, dim=-2), b)[..., :1, :]
+                                   for i in range(pool)], dim=-2)
+                for m in counts:
+                    calls = max(1, min(pool // m, -(-CHECK_VALUES // (m * heads * b.shape[-1]))))
+                    if not all(torch.equal(torch.matmul(a[..., i * m:(i + 1) * m, :], b), alone[..., i * m:(i + 1) * m, :])
+                               for i in range(calls)):
+                        return False
+        return True
+
+    if counts_agree(CHECK_ROWS):
+        return ANY_ROWS
+    return next((most for most in BLOCK_ROWS if counts_agree(range(2, most + 1))), 2)
 
 
 def _with_room(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -313,17 +379,18 @@ class PackedWeight:
     one to nine rows that reorder costs about as much as the product itself (a plain step is
     ~120 products), so the reordered copy is kept, as inductor's frozen CPU graphs keep theirs.
     The copy is remade when its weight changes (another tensor, or an in-place write); a deep
-    copy starts empty (oneDNN's opaque tensors cannot be copied) and packs at its first call."""
+    copy starts empty (oneDNN's opaque tensors cannot be copied) and packs at its first call.
+    `rows`: the most rows one call of the packed product may take (_packed_block_rows)."""
 
-    __slots__ = ("tensor", "stamp")
+    __slots__ = ("tensor", "stamp", "rows")
 
     def __init__(self) -> None:
-        self.tensor, self.stamp = None, None
+        self.tensor, self.stamp, self.rows = None, None, 0
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         version = -1 if weight.is_inference() else weight._version
         if self.stamp is None or self.stamp[0] is not weight or self.stamp[1] != version:
-            self.tensor = _pack(weight)
+            self.tensor, self.rows = _pack(weight)
             self.stamp = (weight, version)
         return self.tensor
 
@@ -331,43 +398,69 @@ class PackedWeight:
         return PackedWeight()
 
 
-_PACKABLE: dict[tuple, bool] = {}  # (out, in, dtype): the packed product of that shape passed the row check
+ANY_ROWS = 1 << 62  # _packed_block_rows: every row count checked agreed, so calls of any size
+_PACKABLE: dict[tuple, int] = {}  # (out, in, dtype) -> _packed_block_rows of that shape (0: F.linear)
 _pack_lock = threading.Lock()
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed weight, or None where packing is not available or not row-invariant for this
-    shape (then `product` takes F.linear)."""
+def _pack(weight: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """The packed weight and the most rows one call of it may take, or (None, 0) where packing
+    is not available or not row-invariant for this shape (then `product` takes F.linear)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
-        return None
+        return None, 0
     key = (*weight.shape, weight.dtype)
     with _pack_lock:
         if key not in _PACKABLE:
-            _PACKABLE[key] = _packed_rows_agree(*weight.shape, weight.dtype)
+            _PACKABLE[key] = _packed_block_rows(*weight.shape, weight.dtype)
     if not _PACKABLE[key]:
-        return None
+        return None, 0
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2), _PACKABLE[key]
 
 
-CHECK_ROWS = (2, 3, 5, 9, 17, 64, 257)  # row counts the packed product is checked at: verifications, trees, chunks
+# row counts a 16-bit product is checked at (verifications, trees, prefill blocks): every count up
+# to 64 (on a Xeon with AMX the attention's weighted sum of values disagreed at 33-48 rows only)
+CHECK_ROWS = (*range(2, 65), 96, 128, 192, 257)
+BLOCK_ROWS = (64, 32, 16, 8, 4)  # if one of them disagrees: call sizes tried, largest first, every count up to each
+
+
+CHECK_VALUES = 1 << 16  # outputs compared per row count: a reordered reduction often rounds to the same 16 bits
 
 
 @torch.inference_mode()
-def _packed_rows_agree(out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0) -> bool:
-    """Does the packed product of this shape give each row the bits it gets alone (as two
-    copies of the row), for every row count in CHECK_ROWS? Random weights at a layer's scale:
-    the kernel's reduction order depends on the shapes, not on the values."""
+def _packed_block_rows(out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0) -> int:
+    """The most rows one packed product of this shape may take with each row getting the bits it
+    gets alone (as two copies of the row): ANY_ROWS if every count in CHECK_ROWS agrees, else the
+    largest of BLOCK_ROWS up to which every count agrees (longer forwards then run in blocks of
+    it), 0 if none does. Random weights at a layer's scale: the kernel's reduction order depends
+    on the shapes, not on the values; but a reduction in another order rounds to the same 16-bit
+    result more often than not, so each count is compared over at least CHECK_VALUES outputs
+    (calls over further rows where the shape has few outputs).
+
+    Why blocks: on a Xeon with AMX (amx_bf16), oneDNN reduces a row in one order for up to 32
+    rows and in others from 33 rows on, so a 64-token prefill chunk gave its rows other bits than
+    plain decoding; on CPUs with avx512_bf16 and no AMX every count checked agrees."""
     try:
         gen = torch.Generator().manual_seed(seed)
         weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
-        x = torch.randn(max(CHECK_ROWS), in_features, generator=gen).to(dtype)
+        pool = max(max(CHECK_ROWS), -(-CHECK_VALUES // out_features) + max(BLOCK_ROWS))
+        x = torch.randn(pool, in_features, generator=gen).to(dtype)
         run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-        alone = torch.cat([run(torch.cat([x[i:i + 1]] * 2))[:1] for i in range(max(CHECK_ROWS))])
-        return all(torch.equal(run(x[:m]), alone[:m]) for m in CHECK_ROWS)
+        alone = torch.cat([run(torch.cat([x[i:i + 1]] * 2))[:1] for i in range(pool)])
+
+        def agrees(m: int) -> bool:
+            calls = max(1, min((pool - m) // m + 1, -(-CHECK_VALUES // (m * out_features))))
+            return all(torch.equal(run(x[i * m:(i + 1) * m]), alone[i * m:(i + 1) * m]) for i in range(calls))
+
+        if all(agrees(m) for m in CHECK_ROWS):
+            return ANY_ROWS
+        for most in BLOCK_ROWS:
+            if all(agrees(m) for m in range(2, most + 1)):
+                return most
+        return 0
     except (RuntimeError, AttributeError):  # no oneDNN, or no 16-bit support in it
-        return False
+        return 0
 
 
 FLOAT32_LOW_ROWS = (2, 4, 8)  # the fewest rows per float32 call tried, cheapest first (_float32_rows_agree)
@@ -442,19 +535,32 @@ def _float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     """x @ weight.T + bias with each row's bits independent of how many rows share the call.
     16-bit: a single row goes through the multi-row kernel as two copies of itself (one result
-    kept), and the weight is the packed copy where that passed its row check. float32 on a CPU:
+    kept), and the weight is the packed copy where that passed its row check, in calls of at most
+    as many rows as the check found to agree (longer forwards in blocks). float32 on a CPU:
     calls of a row count range whose kernel passed its row check (_float32_product), else F.linear."""
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
         counts = _float32_rows(weight)
         if counts is not None:
             return _float32_product(x, weight, bias, counts)
         return F.linear(x, weight, bias)
-    one = x.numel() == x.shape[-1]
-    if one:
-        x = torch.cat([x, x], dim=-2)
     w = packed.get(weight) if packed is not None else None
-    out = F.linear(x, weight, bias) if w is None else torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    return out[..., :1, :] if one else out
+    if w is None:
+        one = x.numel() == x.shape[-1]
+        out = F.linear(torch.cat([x, x], dim=-2) if one else x, weight, bias)
+        return out[..., :1, :] if one else out
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:  # (logits_to_keep with nothing to keep)
+        return x.new_zeros(*x.shape[:-1], weight.shape[0])
+    outs = [_packed_call(flat[start:start + packed.rows], w, bias) for start in range(0, flat.shape[0], packed.rows)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _packed_call(rows: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One packed product over (rows, in); a single row as two copies of itself (one kept)."""
+    if rows.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(torch.cat([rows, rows]), w, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(rows, w, bias, "none", [], "")
 
 
 class InvariantLinear(torch.nn.Linear):
@@ -627,17 +733,23 @@ def make_invariant(model: torch.nn.Module) -> list[str]:
 
 
 @torch.inference_mode()
-def self_check(model: torch.nn.Module, context: int = 12, tokens: int = 5, seed: int = 0) -> bool:
-    """Are a `tokens`-token forward's logits bitwise those of the same tokens one at a time, after
-    a random context? (A load-time check; tests/test_invariant.py proves it more widely.)"""
+def self_check(model: torch.nn.Module, context: int = 70, chunk: int = 7, tokens: int = 5, seed: int = 0) -> bool:
+    """A load-time check (tests/test_invariant.py proves it more widely): a `context`-token
+    prefill in one forward and in chunks of `chunk` leave bitwise the same cache, and a
+    `tokens`-token forward's logits after it are bitwise those of the same tokens one at a time.
+    The prefill is long enough for blocks of over 64 rows (a Xeon with AMX reduced rows in
+    another order from 33 rows on, which a 12-token context never showed)."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(seed)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, context + tokens), generator=gen).to(model.device)
     together, alone = DynamicCache(), DynamicCache()
-    model(input_ids=ids[:, :context], cache=together, use_cache=True)
-    model(input_ids=ids[:, :context], cache=alone, use_cache=True)
+    model(input_ids=ids[:, :context], cache=together, use_cache=True, logits_to_keep=1)
+    for start in range(0, context, chunk):
+        model(input_ids=ids[:, start:min(start + chunk, context)], cache=alone, use_cache=True, logits_to_keep=1)
+    if not all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(together.layers, alone.layers)):
+        return False
     block = model(input_ids=ids[:, context:], cache=together, use_cache=True).logits[0]
     rows = [model(input_ids=ids[:, i:i + 1], cache=alone, use_cache=True).logits[0, 0] for i in range(context, context + tokens)]
     return all(torch.equal(block[i], row) for i, row in enumerate(rows))

@@ -123,7 +123,7 @@ def test_a_packed_weight_gives_every_row_count_the_same_bits_and_follows_its_wei
         if cpu_bf16_flags():  # oneDNN's 16-bit kernels are native there, and their packing row-invariant
             assert _PACKABLE[(96, 1536, torch.bfloat16)], "oneDNN packing is available on CPUs with bfloat16 instructions"
         # elsewhere (AVX2 only) the emulated packed product may fail its row check: then F.linear
-        assert (linear._packed.tensor is not None) == _PACKABLE[(96, 1536, torch.bfloat16)]
+        assert (linear._packed.tensor is not None) == bool(_PACKABLE[(96, 1536, torch.bfloat16)])
         # the packed product is F.linear's multi-row product
         assert torch.equal(linear(x[:9]), torch.nn.functional.linear(x[:9], linear.weight, linear.bias))
     with torch.no_grad():
@@ -286,6 +286,54 @@ def test_tiny_prefill_chunks_give_bitwise_the_same_cache(tiny_inv, chunk):
     chunked, chunked_kv = all_at_once(tiny_inv.model, ids, 1, chunk)
     assert torch.equal(whole, chunked)
     assert_same_kv(whole_kv, chunked_kv)
+
+
+def test_16bit_products_past_the_rows_that_agree_run_in_blocks(monkeypatch):
+    """Where a 16-bit kernel gives a row the same bits only up to some row count (a Xeon with AMX:
+    32 rows; engine.invariant._packed_block_rows and _attention_block_rows find it at load),
+    longer calls run in blocks of at most that many rows, a lone last row as two copies. Forced
+    to blocks of 4 here, so the path runs on every CPU: each row keeps the bits it gets alone."""
+    import engine.invariant as inv
+
+    torch.manual_seed(3)
+    linear = InvariantLinear(1536, 96, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(9, 1536, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(9)])
+        if linear._packed.tensor is None:
+            pytest.skip("no row-invariant oneDNN packing on this CPU: 16-bit products take F.linear")
+        calls = []
+        real = inv._packed_call
+        monkeypatch.setattr(inv, "_packed_call", lambda rows, w, bias: calls.append(len(rows)) or real(rows, w, bias))
+        linear._packed.rows = 4
+        assert torch.equal(linear(x.unsqueeze(0))[0], alone)
+        assert calls == [4, 4, 1]
+    a = torch.randn(1, 3, 9, 64).to(torch.bfloat16)
+    b = torch.randn(1, 3, 64, 130).to(torch.bfloat16)
+    pairs = torch.cat([torch.matmul(torch.cat([a[..., i:i + 1, :]] * 2, dim=-2), b)[..., :1, :] for i in range(9)], dim=-2)
+    assert torch.equal(inv._matmul_in_blocks(a, b, 4), pairs)
+
+
+def test_tiny_model_in_forced_blocks_of_four_rows_is_still_invariant(tiny_target, monkeypatch):
+    """The tiny bfloat16 target loaded while every 16-bit product and the attention's products
+    are held to blocks of 4 rows: a 40-token prefill, in chunks and as plain steps, gives bitwise
+    the same logits and cache (the blocks themselves are invariant, not just the kernel)."""
+    import engine.invariant as inv
+
+    monkeypatch.setattr(inv, "_PACKABLE", {})
+    monkeypatch.setattr(inv, "_ATTENTION_ROWS", {torch.bfloat16: 4})
+    real = inv._packed_block_rows
+    monkeypatch.setattr(inv, "_packed_block_rows", lambda *a, **k: min(4, real(*a, **k)))
+    model = load_model(tiny_target, dtype="bfloat16")
+    assert model.batch_invariant
+    ids = random_ids(model.vocab_size, 40, seed=5)
+    whole, whole_kv = all_at_once(model.model, ids, 1)
+    chunked, chunked_kv = all_at_once(model.model, ids, 1, 7)
+    assert torch.equal(whole, chunked)
+    assert_same_kv(whole_kv, chunked_kv)
+    alone, _ = one_at_a_time(model.model, ids, 1)
+    assert torch.equal(whole, alone)
+    assert {v for v in inv._PACKABLE.values()} <= {0, 4}
 
 
 @torch.inference_mode()
