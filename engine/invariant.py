@@ -190,9 +190,7 @@ def _attention_block_rows(dtype: torch.dtype, heads: int = 3, dim: int = 64, see
                         return False
         return True
 
-    if counts_agree(CHECK_ROWS):
-        return ANY_ROWS
-    return next((most for most in BLOCK_ROWS if counts_agree(range(2, most + 1))), 2)
+    return _block_rows(counts_agree) or 2
 
 
 def _with_room(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -427,6 +425,14 @@ BLOCK_ROWS = (64, 32, 16, 8, 4)  # if one of them disagrees: call sizes tried, l
 CHECK_VALUES = 1 << 16  # outputs compared per row count: a reordered reduction often rounds to the same 16 bits
 
 
+def _block_rows(counts_agree) -> int:
+    """ANY_ROWS if counts_agree(CHECK_ROWS), else the largest of BLOCK_ROWS up to which every row
+    count agrees, else 0."""
+    if counts_agree(CHECK_ROWS):
+        return ANY_ROWS
+    return next((most for most in BLOCK_ROWS if counts_agree(range(2, most + 1))), 0)
+
+
 @torch.inference_mode()
 def _packed_block_rows(out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0) -> int:
     """The most rows one packed product of this shape may take with each row getting the bits it
@@ -453,12 +459,7 @@ def _packed_block_rows(out_features: int, in_features: int, dtype: torch.dtype, 
             calls = max(1, min((pool - m) // m + 1, -(-CHECK_VALUES // (m * out_features))))
             return all(torch.equal(run(x[i * m:(i + 1) * m]), alone[i * m:(i + 1) * m]) for i in range(calls))
 
-        if all(agrees(m) for m in CHECK_ROWS):
-            return ANY_ROWS
-        for most in BLOCK_ROWS:
-            if all(agrees(m) for m in range(2, most + 1)):
-                return most
-        return 0
+        return _block_rows(lambda counts: all(agrees(m) for m in counts))
     except (RuntimeError, AttributeError):  # no oneDNN, or no 16-bit support in it
         return 0
 
