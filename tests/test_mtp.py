@@ -541,3 +541,21 @@ def test_shipped_drafters_are_exact_on_the_embedded_model(embedded, spec):
     events = list(generate(embedded, ids, DecodeConfig(max_new_tokens=24, k=4), drafter))
     assert tokens_of(events) == plain
     assert sum(s.accepted for s in steps_of(events)) > 0  # trained drafters do get drafts accepted
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("tree", [None, "small", "dynamic-8"])
+def test_the_modules_drafts_are_the_same_without_building_masks(embedded, tree):
+    """load_module lets the module's depths skip MtpModel's mask building (the batch-invariant
+    attention reads no mask as causal): every draft and its probabilities are bitwise what the
+    module drafts with the masks built, in a chain, a static tree and a dynamic tree."""
+    ids = embedded.encode("Write a short poem about the sea, then explain its rhyme scheme.")
+    runs = []
+    for build_masks in (False, True):
+        drafter = build_drafter(embedded, DrafterSpec("mtp", mtp_kind="module", tree=tree))
+        assert "create_masks_for_mtp_layer" in vars(drafter.layers.mtp)  # the skip is in place
+        if build_masks:
+            del drafter.layers.mtp.create_masks_for_mtp_layer  # MtpModel's own again
+        events = list(generate(embedded, ids, DecodeConfig(max_new_tokens=32, k=4), drafter))
+        runs.append([(s.draft_token_ids, s.draft_probs, s.draft_top) for s in steps_of(events)])
+    assert runs[0] == runs[1] and sum(len(ids) for ids, _, _ in runs[0]) > 20

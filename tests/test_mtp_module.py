@@ -15,6 +15,7 @@ from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
 from engine.errors import InputError
 from engine.models import load_model
+from engine.mtp import native
 from engine.mtp.module import KIND, build_module, load_module, trained_state
 from engine.mtp.weights import CARD_FILE, save_weights
 from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
@@ -193,6 +194,35 @@ def test_each_tree_node_is_what_its_path_would_draft_from_scratch(tiny_target, t
     for path, token in zip(proposal.ranks, proposal.token_ids.tolist()):
         tokens = [int(proposal.token_ids[proposal.ranks.index(path[:j + 1])]) for j in range(len(path) - 1)]
         assert int(torch.topk(from_scratch(tokens), path[-1] + 1).indices[-1]) == token, path
+
+
+@torch.inference_mode()
+def test_a_chain_after_a_long_request_is_what_the_module_drafts_from_scratch(tiny_target, tmp_path, monkeypatch):
+    """The module keeps each depth's settled states and cache entries across steps, in buffers
+    that grow in place (engine.mtp.native._extend, engine.kv): after a long request (the state
+    buffers, from 16 rows, have doubled several times) a chain is still, draft by draft, the
+    argmax of the module's distribution recomputed without any cache over the whole context."""
+    monkeypatch.setattr(native, "MIN_ROWS", 16)
+    target = load_model(tiny_target, dtype="float32")
+    folder = module_folder(target, tmp_path / "module")
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), draft_vocab="full"))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=200, k=3, ignore_eos=True), drafter))
+    context = PROMPT + tokens_of(events)
+    drafter.observe(context, 0, torch.zeros(0, 32))
+    layers = drafter.layers
+    assert len(context) > 200 and all(room.shape[0] >= 128 and state.data_ptr() == room.data_ptr()
+                                      for room, state in zip(layers._room, layers.states))
+    proposal = drafter.propose(context, 3, SamplingConfig(), torch.Generator())
+    mtp = layers.mtp
+    below0 = target.model(input_ids=torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+    n, drafts = len(context) - 2, []
+    for depth in range(1, 4):
+        seq, below = context + drafts, below0
+        for d in range(1, depth + 1):
+            ids = torch.tensor([[seq[i + d] for i in range(n + 1)]])
+            below = mtp.forward_layer(0, below[None], torch.arange(d, n + d + 1)[None], DynamicCache(), input_ids=ids)[0]
+        drafts.append(int(torch.argmax(mtp._project_to_logits(below[-1:][None])[0, -1])))
+    assert proposal.token_ids.tolist() == drafts
 
 
 @torch.inference_mode()

@@ -95,6 +95,19 @@ def load_module(folder: Path, target: LoadedModel) -> tuple[torch.nn.Module, dic
         # not be batch-invariant (the target's verification decides), but these are the faster
         # kernels here: SDPA over 1K cached keys costs 5x the invariant attention for one query
         from engine.invariant import make_invariant
+        from engine.mtp.native import full_attention
 
         make_invariant(module)
+        if full_attention(module.config):
+            module.create_masks_for_mtp_layer = _causal_masks  # (this instance only)
     return module.eval(), card
+
+
+def _causal_masks(layer_idx, inputs_embeds, mtp_cache, position_ids) -> dict:
+    """A drafting depth's rows attend causally over its own cache with the new rows last (a chain's
+    depth, and each branch of a tree, one batch entry per branch), which the batch-invariant
+    attention reads from no mask at all (engine.invariant._visible): MtpModel.forward_layer would
+    otherwise build a boolean mask at every depth of every draft (about 0.1 ms each on a 2-core
+    CPU) for the attention to turn back into the same causal plan. The drafts are bitwise the same
+    (tests/test_mtp.py)."""
+    return {"attention_mask": None}

@@ -21,9 +21,20 @@ from transformers import DynamicCache
 
 from engine.drafters.vocab import DraftVocabulary
 from engine.errors import InputError
+from engine.kv import growing_cache
 from engine.models import LoadedModel
 from engine.mtp.tree import order_paths
 from engine.sampling import SamplingConfig, choose, probs_from_logits
+
+
+MIN_ROWS = 256  # rows a depth's state buffer has at least (it doubles when full)
+
+
+def full_attention(config) -> bool:
+    """Every position of these layers attends to all before it: no sliding window, no other
+    layer kind."""
+    return getattr(config, "sliding_window", None) is None and all(
+        kind == "full_attention" for kind in (getattr(config, "layer_types", None) or ()))
 
 
 def has_mtp_layers(target: LoadedModel) -> bool:
@@ -52,20 +63,40 @@ class NativeMTP:
                                                                       target.vocab_size)
         hidden_size = self.mtp_config.hidden_size
         # states[d]: h^d (rows = positions 0..) where it no longer depends on a draft; states[0]
-        # holds the target's final hidden states
+        # holds the target's final hidden states. Each is a view of a buffer with spare room
+        # (_room[d]; _extend writes new rows into it), and a depth's cache grows in place when its
+        # layers have full attention (engine.kv): a step then copies only its new rows, not
+        # every state and cached entry of the request (4 depths x 1,000 positions: ~15 MB a step)
         self.states = [torch.zeros(0, hidden_size, device=target.device, dtype=target.dtype)]
+        self._room: list[torch.Tensor | None] = [None]
         self.caches: list[DynamicCache] = []  # caches[d - 1]: depth d's KV entries, one per state row
+        self._grow_in_place = full_attention(self.mtp_config)
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
-        self.states[0] = torch.cat([self.states[0], hidden])
+        self._extend(0, hidden)
         if self.subset is not None:
             self.subset.include(context)  # the request's own tokens can be drafted
 
     def _add_depth(self) -> None:
-        cache = DynamicCache(config=self.mtp_config)
-        cache.activate_past_recording()  # sliding-window layers must still allow the crops below
+        if self._grow_in_place:
+            cache = growing_cache()
+        else:
+            cache = DynamicCache(config=self.mtp_config)
+            cache.activate_past_recording()  # sliding-window layers must still allow the crops below
         self.caches.append(cache)
         self.states.append(self.states[0][:0])
+        self._room.append(None)
+
+    def _extend(self, d: int, rows: torch.Tensor) -> None:
+        """Append rows to states[d], in place in its buffer (which doubles when full)."""
+        n, m = self.states[d].shape[0], rows.shape[0]
+        room = self._room[d]
+        if room is None or n + m > room.shape[0] or room.dtype != rows.dtype:
+            room = rows.new_empty(max(MIN_ROWS, 2 * (n + m)), rows.shape[-1])
+            room[:n] = self.states[d]
+            self._room[d] = room
+        room[n:n + m] = rows
+        self.states[d] = room[:n + m]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> float32 logits (..., V) over the target's vocabulary."""
@@ -87,25 +118,31 @@ class NativeMTP:
         n = len(context) - 2  # the last position with a target hidden state (it chose context[-1])
         drafts: list[int] = []
         probs = []
-        below = self.states[0]  # (n + 1, H): the previous depth's hidden states, positions 0..n
+        # the previous depth's hidden states at positions 0..n: its settled rows, then the rows
+        # that still depend on a draft (none at depth 0)
+        settled_below, transient = self.states[0], self.states[0][:0]
         for d in range(1, k + 1):
             if len(self.caches) < d:
                 self._add_depth()
             start = self.states[d].shape[0]  # depth d's settled rows
+            if start <= settled_below.shape[0]:  # (only the rows from start on are read)
+                below = torch.cat([settled_below[start:], transient]) if transient.shape[0] else settled_below[start:]
+            else:
+                below = transient[start - settled_below.shape[0]:]
             seq = context + drafts
             tokens = torch.tensor([[seq[i + d] for i in range(start, n + 1)]], device=below.device)  # (1, q)
             positions = torch.arange(start + d, n + d + 1, device=below.device)[None]  # (1, q)
             out = self.mtp.forward_layer(
-                (d - 1) % len(self.mtp.layers), below[start:][None], positions, self.caches[d - 1], input_ids=tokens
+                (d - 1) % len(self.mtp.layers), below[None], positions, self.caches[d - 1], input_ids=tokens
             )[0]  # (q, H)
             logits = self._logits(out[-1])
             p = probs_from_logits(logits, sampling)
             drafts.append(choose(p, logits, sampling, float(torch.rand((), generator=rng))))
             probs.append(p)
             settled = len(context) - d - start  # rows whose token x_{i+d} is in the context
-            self.states[d] = torch.cat([self.states[d], out[:settled]])
+            self._extend(d, out[:settled])
             self.caches[d - 1].crop(settled - out.shape[0])  # drop the transient entries
-            below = torch.cat([self.states[d], out[settled:]])
+            settled_below, transient = self.states[d], out[settled:]
             if float(p[drafts[-1]]) < stop:
                 break
         return torch.tensor(drafts, dtype=torch.long), torch.stack(probs)
@@ -124,13 +161,14 @@ class NativeMTP:
             positions = torch.arange(start + d, stop + d, device=below.device)[None]
             out = self.mtp.forward_layer((d - 1) % len(self.mtp.layers), below[None], positions, self.caches[d - 1],
                                          input_ids=tokens)[0]
-            self.states[d] = torch.cat([self.states[d], out])
+            self._extend(d, out)
 
     def _branch_cache(self, d: int, copies: int) -> DynamicCache:
         """Depth d's settled KV entries repeated for `copies` branches (a scratch cache)."""
         scratch = DynamicCache(config=self.mtp_config)
         layer = (d - 1) % len(self.mtp.layers)
-        kept = self.caches[d - 1].layers[layer]
+        layers = self.caches[d - 1].layers
+        kept = layers[layer] if layer < len(layers) else None  # (a growing cache makes its layers at their first write)
         if getattr(kept, "keys", None) is not None and kept.keys.numel():
             scratch.update(kept.keys.expand(copies, -1, -1, -1).contiguous(),
                            kept.values.expand(copies, -1, -1, -1).contiguous(), layer)
