@@ -15,7 +15,7 @@ from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
 from engine.errors import InputError
 from engine.models import load_model
-from engine.mtp import native
+from engine.mtp import fast, native
 from engine.mtp.module import KIND, build_module, load_module, trained_state
 from engine.mtp.weights import CARD_FILE, save_weights
 from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
@@ -200,9 +200,10 @@ def test_each_tree_node_is_what_its_path_would_draft_from_scratch(tiny_target, t
 def test_a_chain_after_a_long_request_is_what_the_module_drafts_from_scratch(tiny_target, tmp_path, monkeypatch):
     """The module keeps each depth's settled states and cache entries across steps, in buffers
     that grow in place (engine.mtp.native._extend, engine.kv): after a long request (the state
-    buffers, from 16 rows, have doubled several times) a chain is still, draft by draft, the
+    buffers and the depths' key/value buffers, from 16 rows, have doubled several times) a chain is still, draft by draft, the
     argmax of the module's distribution recomputed without any cache over the whole context."""
     monkeypatch.setattr(native, "MIN_ROWS", 16)
+    monkeypatch.setattr(fast, "MIN_ROOM", 16)
     target = load_model(tiny_target, dtype="float32")
     folder = module_folder(target, tmp_path / "module")
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), draft_vocab="full"))
@@ -212,6 +213,7 @@ def test_a_chain_after_a_long_request_is_what_the_module_drafts_from_scratch(tin
     layers = drafter.layers
     assert len(context) > 200 and all(room.shape[0] >= 128 and state.data_ptr() == room.data_ptr()
                                       for room, state in zip(layers._room, layers.states))
+    assert layers.fast is not None and all(entries._keys.shape[1] >= 128 for entries in layers.caches)  # (engine.mtp.fast)
     proposal = drafter.propose(context, 3, SamplingConfig(), torch.Generator())
     mtp = layers.mtp
     below0 = target.model(input_ids=torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0]

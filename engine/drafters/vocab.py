@@ -68,16 +68,19 @@ class DraftVocabulary:
         self.member[new] = True
         self.extra_ids = torch.cat([self.extra_ids, new.to(self.ids.device)])
         head, bias = self._head
-        self.extra_weight = head[self.extra_ids].contiguous()
-        self.extra_bias = None if bias is None else bias[self.extra_ids]
+        # float32: a 16-bit product on a CPU is a oneDNN kernel made for each new shape (~0.3 ms),
+        # and this one's shape changes whenever a request brings another token
+        self.extra_weight = head[self.extra_ids].float()
+        self.extra_bias = None if bias is None else bias[self.extra_ids].float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> float32 logits (..., V), -inf outside the subset."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         full = torch.full((rows.shape[0], self.vocab_size), float("-inf"), device=rows.device)
         full.index_copy_(-1, self.ids, product(rows, self.weight, self.bias, self._packed).float())
-        if self.extra_ids.numel():  # a few hundred rows: the plain kernel (drafts need no bitwise invariance)
-            full.index_copy_(-1, self.extra_ids, F.linear(rows, self.extra_weight, self.extra_bias).float())
+        if self.extra_ids.numel():  # a few hundred rows, in float32 (include); drafts need no bitwise invariance
+            extra = F.linear(rows.float(), self.extra_weight, self.extra_bias).to(rows.dtype)  # rounded as the head's
+            full.index_copy_(-1, self.extra_ids, extra.float())
         return full.reshape(*hidden.shape[:-1], self.vocab_size)
 
 

@@ -23,6 +23,7 @@ from engine.drafters.vocab import DraftVocabulary
 from engine.errors import InputError
 from engine.kv import growing_cache
 from engine.models import LoadedModel
+from engine.mtp import fast
 from engine.mtp.tree import order_paths
 from engine.sampling import SamplingConfig, choose, probs_from_logits
 
@@ -58,6 +59,8 @@ class NativeMTP:
             module.eval().requires_grad_(False)
         self.mtp = module
         self.mtp_config = module.config
+        # a Llama-kind module's depths computed directly (engine/mtp/fast.py), else forward_layer
+        self.fast = fast.FastModule(module) if fast.supported(module) else None
         self.vocab = target.vocab_size
         self.subset = None if vocabulary is None else DraftVocabulary(vocabulary, target.model.get_output_embeddings(),
                                                                       target.vocab_size)
@@ -69,7 +72,7 @@ class NativeMTP:
         # every state and cached entry of the request (4 depths x 1,000 positions: ~15 MB a step)
         self.states = [torch.zeros(0, hidden_size, device=target.device, dtype=target.dtype)]
         self._room: list[torch.Tensor | None] = [None]
-        self.caches: list[DynamicCache] = []  # caches[d - 1]: depth d's KV entries, one per state row
+        self.caches: list[DynamicCache | fast.Entries] = []  # caches[d - 1]: depth d's KV entries, one per state row
         self._grow_in_place = full_attention(self.mtp_config)
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
@@ -78,6 +81,11 @@ class NativeMTP:
             self.subset.include(context)  # the request's own tokens can be drafted
 
     def _add_depth(self) -> None:
+        if self.fast is not None:
+            self.caches.append(fast.Entries())
+            self.states.append(self.states[0][:0])
+            self._room.append(None)
+            return
         if self._grow_in_place:
             cache = growing_cache()
         else:
@@ -97,6 +105,14 @@ class NativeMTP:
             self._room[d] = room
         room[n:n + m] = rows
         self.states[d] = room[:n + m]
+
+    def _depth(self, d: int, below: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Depth d over rows of one request: below (q, H) = h^{d-1}, tokens and positions (1, q);
+        the rows' entries join depth d's cache. Returns h^d (q, H)."""
+        layer = (d - 1) % len(self.mtp.layers)
+        if self.fast is not None:
+            return self.fast.forward_layer(layer, below[None], positions, self.caches[d - 1], tokens)[0]
+        return self.mtp.forward_layer(layer, below[None], positions, self.caches[d - 1], input_ids=tokens)[0]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> float32 logits (..., V) over the target's vocabulary."""
@@ -132,9 +148,7 @@ class NativeMTP:
             seq = context + drafts
             tokens = torch.tensor([[seq[i + d] for i in range(start, n + 1)]], device=below.device)  # (1, q)
             positions = torch.arange(start + d, n + d + 1, device=below.device)[None]  # (1, q)
-            out = self.mtp.forward_layer(
-                (d - 1) % len(self.mtp.layers), below[None], positions, self.caches[d - 1], input_ids=tokens
-            )[0]  # (q, H)
+            out = self._depth(d, below, positions, tokens)  # (q, H)
             logits = self._logits(out[-1])
             p = probs_from_logits(logits, sampling)
             drafts.append(choose(p, logits, sampling, float(torch.rand((), generator=rng))))
@@ -159,9 +173,7 @@ class NativeMTP:
             below = self.states[d - 1][start:stop]  # (q, H): depth d - 1 has its rows up to stop
             tokens = torch.tensor([context[start + d: stop + d]], device=below.device)
             positions = torch.arange(start + d, stop + d, device=below.device)[None]
-            out = self.mtp.forward_layer((d - 1) % len(self.mtp.layers), below[None], positions, self.caches[d - 1],
-                                         input_ids=tokens)[0]
-            self._extend(d, out)
+            self._extend(d, self._depth(d, below, positions, tokens))
 
     def _branch_cache(self, d: int, copies: int) -> DynamicCache:
         """Depth d's settled KV entries repeated for `copies` branches (a scratch cache)."""
@@ -185,8 +197,11 @@ class NativeMTP:
         rows = torch.stack([torch.cat([self.states[d][n - d + 1: n - d + 2]] + ([] if d == 1 else [rows_of[q[:-1]]]))
                             for q in nodes])  # (B, d, H)
         positions = torch.arange(n + 2, n + d + 2, device=device)[None].expand(len(nodes), -1)
-        out = self.mtp.forward_layer(d % len(self.mtp.layers), rows, positions, self._branch_cache(d + 1, len(nodes)),
-                                     input_ids=tokens)  # (B, d, H) at depth d + 1
+        if self.fast is not None:  # every branch reads depth d + 1's settled entries where they lie
+            out = self.fast.forward_layer(d % len(self.mtp.layers), rows, positions, self.caches[d], tokens, keep=False)
+        else:
+            out = self.mtp.forward_layer(d % len(self.mtp.layers), rows, positions, self._branch_cache(d + 1, len(nodes)),
+                                         input_ids=tokens)  # (B, d, H) at depth d + 1
         probs = torch.softmax(self._logits(out[:, -1]), -1)  # (B, V)
         return {q: (out[b], probs[b]) for b, q in enumerate(nodes)}
 
