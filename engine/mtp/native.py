@@ -5,7 +5,10 @@ target without them (engine/mtp/module.py); both are transformers' MtpModel, dri
 transformers builds and loads a target's own layers (`MtpModel.from_pretrained(target)`): per layer an
 enorm and an hnorm, eh_proj over [enorm(embedding of the next token), hnorm(previous hidden
 state)], one decoder block of the target's own kind, and the target's embedding and LM head,
-shared. This module drives them with its own cache bookkeeping so drafting fits the loop.
+shared. This module drives them with its own cache bookkeeping so drafting fits the loop. Each
+depth runs through MtpModel.forward_layer, or, for layers whose block is a Llama decoder layer
+(the modules trained here for Llama-kind targets), through engine/mtp/fast.py, which computes
+the same depth without transformers' per-call machinery.
 
 Depth d (1-based) at position i reads h^{d-1}_i (d = 1: the target's final hidden state) and
 token x_{i+d}, and predicts x_{i+d+1}; depth d runs MTP layer (d - 1) mod L, so a chain longer
