@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 MIN_ROOM = 256  # positions an Entries buffer has at least (it doubles when full)
+BLOCK_ROWS = 64  # a 16-bit product of more rows runs in blocks of this many (a oneDNN kernel is made per shape)
 LONG_ROWS = 16  # rows from which one request's attention runs through SDPA (_attend_long)
 
 
@@ -59,7 +60,12 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight)
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, None, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= BLOCK_ROWS:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        else:  # many rows (a prompt): in blocks, so a new prompt length makes no new kernels but the last block's
+            out = torch.cat([torch.ops.mkldnn._linear_pointwise(rows[i:i + BLOCK_ROWS], self.packed, None, "none", [], "")
+                             for i in range(0, rows.shape[0], BLOCK_ROWS)])
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -230,6 +236,10 @@ class FastModule:
             values = torch.cat([entries.values.to(values.dtype), values], dim=1)
         groups = h // self.kv_heads
         keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)  # (h, n + t, hd)
-        visible = torch.ones(t, n + t, dtype=torch.bool, device=q.device).tril(n)  # row i sees keys <= n + i
-        out = F.scaled_dot_product_attention(q[0].transpose(0, 1), keys, values, attn_mask=visible, scale=1.0)
-        return out.transpose(0, 1).reshape(1, t, h * hd)
+        query, keys, values = q.transpose(1, 2), keys[None], values[None]  # (1, heads, rows or keys, hd)
+        if n:
+            visible = torch.ones(t, n + t, dtype=torch.bool, device=q.device).tril(n)  # row i sees keys <= n + i
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=1.0)
+        else:  # (is_causal takes the fused kernel; a mask, the slower math path)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=1.0)
+        return out.transpose(1, 2).reshape(1, t, h * hd)
