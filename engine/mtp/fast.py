@@ -129,9 +129,6 @@ class Entries:
             raise ValueError("crop takes the (negative) number of entries to drop")
         self.n = max(0, self.n + count)
 
-    def get_seq_length(self) -> int:
-        return self.n
-
 
 class FastModule:
     """The depths of an MtpModel whose layers `supported` accepts, computed directly (see the

@@ -85,11 +85,8 @@ class NativeMTP:
 
     def _add_depth(self) -> None:
         if self.fast is not None:
-            self.caches.append(fast.Entries())
-            self.states.append(self.states[0][:0])
-            self._room.append(None)
-            return
-        if self._grow_in_place:
+            cache = fast.Entries()
+        elif self._grow_in_place:
             cache = growing_cache()
         else:
             cache = DynamicCache(config=self.mtp_config)
