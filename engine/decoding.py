@@ -117,10 +117,12 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def prefill(
-    target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, clock: RunClock
+    target: LoadedModel, prompt_ids: list[int], cache: DynamicCache, chunk: int, clock: RunClock,
+    feature_layers: tuple[int, ...] = (),
 ) -> Iterator[PrefillChunk | tuple[torch.Tensor, torch.Tensor]]:
     """Run the prompt through the target in chunks; yields a PrefillChunk per forward, then the
-    logits (V,) for the first output token and the final hidden states (T, H) of the prompt."""
+    logits (V,) for the first output token and the final hidden states (T, H) of the prompt
+    ((T, (1 + F) H) with F feature layers: see `hidden_of`)."""
     size = chunk or len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
     hidden = []
@@ -130,7 +132,7 @@ def prefill(
         out = target.model(
             input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True
         )
-        hidden.append(out.hidden_states[-1][0])  # (chunk, H)
+        hidden.append(hidden_of(out.hidden_states, feature_layers))  # (chunk, H)
         _sync(target.device)
         chunk_record = PrefillChunk(index, start, end, start_s, clock.now() - start_s)
         with clock.handed_out():
@@ -138,10 +140,19 @@ def prefill(
     yield out.logits[0, -1], torch.cat(hidden)  # (V,), (T, H)
 
 
+def hidden_of(states: tuple[torch.Tensor, ...], feature_layers: tuple[int, ...]) -> torch.Tensor:
+    """A forward's hidden states for the drafter, batch row 0: the final ones (n, H), or with
+    feature layers (a drafter's `feature_layers`: i is the state after i decoder layers,
+    transformers' hidden_states[i]) the final ones and then each of those side by side, (n, (1 + F) H)."""
+    if not feature_layers:
+        return states[-1][0]
+    return torch.cat([states[-1][0]] + [states[i][0] for i in feature_layers], dim=-1)
+
+
 @torch.inference_mode()
 def verify(
     target: LoadedModel, cache: DynamicCache, last_token: int, draft_ids: torch.Tensor,
-    parents: tuple[int, ...] | None = None,
+    parents: tuple[int, ...] | None = None, feature_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: one target forward over [last token, drafts...] appended to the cache.
 
@@ -152,7 +163,7 @@ def verify(
     ids = torch.tensor([[last_token] + draft_ids.tolist()], device=target.device)  # (1, n)
     tree = {} if parents is None else tree_inputs(parents, cache.get_seq_length(), target.device, target.dtype)
     out = target.model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, **tree)
-    return out.logits[0].float(), out.hidden_states[-1][0]
+    return out.logits[0].float(), hidden_of(out.hidden_states, feature_layers)
 
 
 def accept(
@@ -233,7 +244,8 @@ def generate(
     draft_rng = torch.Generator().manual_seed(sampling.seed + 1)  # the drafter's own draws
     eos = frozenset() if cfg.ignore_eos else target.eos_token_ids
     cache = growing_cache()  # DynamicCache that grows in place (engine/kv.py)
-    for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, clock):
+    feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # earlier layers the drafter reads too
+    for item in prefill(target, prompt_ids, cache, cfg.prefill_chunk, clock, feature_layers):
         if isinstance(item, PrefillChunk):
             yield item
         else:
@@ -298,7 +310,8 @@ def generate(
 
         # 2 verify: one target forward over [last token, drafts...]
         begin = time.perf_counter()
-        target_logits, hidden = verify(target, cache, context[-1], draft_ids, parents)  # (drafted+1, V), (drafted+1, H)
+        target_logits, hidden = verify(target, cache, context[-1], draft_ids, parents,
+                                       feature_layers)  # (drafted+1, V), (drafted+1, H or (1 + F) H)
         target_probs = probs_from_logits(target_logits, sampling)  # (drafted+1, V)
 
         # 3 accept

@@ -505,8 +505,13 @@ def test_shipped_weights_match_their_cards(name, kind):
     assert card["kind"] == kind and card["target"] == presets()["embedded"].target
     assert all(t.dtype == torch.float16 for t in weights.values())
     if kind == "mtp-module":
-        assert {k.split(".")[1] for k in weights} == {str(i) for i in range(card["layers"])}
+        assert {k.split(".")[1] for k in weights if k.startswith("layers.")} == {str(i) for i in range(card["layers"])}
         assert weights["layers.0.eh_proj.weight"].shape == (hidden, 2 * hidden)
+        fused = card.get("feature_layers", [])  # EAGLE-3's fused features: their projection and norms
+        assert {k for k in weights if not k.startswith("layers.")} == (
+            {"fusion.proj.weight"} | {f"fusion.norms.{i}.weight" for i in range(len(fused))} if fused else set())
+        if fused:
+            assert weights["fusion.proj.weight"].shape == (hidden, len(fused) * hidden)
         for split in ("heldout", "spec_bench"):
             after, before = card["evaluation"][split], card["evaluation_before_training"][split]
             assert len(after["top1"]) == card["training"]["depths"] and after["top1"][0] > before["top1"][0]

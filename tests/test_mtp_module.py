@@ -18,7 +18,7 @@ from engine.models import load_model
 from engine.mtp import fast, native
 from engine.mtp.module import KIND, build_module, load_module, trained_state
 from engine.mtp.weights import CARD_FILE, save_weights
-from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, drawn, load_corpus, read_split
+from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, corpus_dir, drawn, load_corpus, read_split
 from engine.drafters.vocab import load_vocabulary
 from engine.train.module import ModuleConfig, category, evaluate, train_module, training_vocabulary
 from engine.mtp.tree import DynamicTree, order_paths, tree_shape
@@ -38,17 +38,21 @@ def target(tiny_target):
     return load_model(tiny_target)
 
 
-def module_folder(target, folder, seed=0, scale=0.3, sharpen=1.0):
+def module_folder(target, folder, seed=0, scale=0.3, sharpen=1.0, feature_layers=()):
     """A module with random (not identity-like) weights saved as trained weights would be;
-    sharpen > 1 scales its output norm, so its distributions are peaked, not near uniform."""
-    module = build_module(target, 1)
+    sharpen > 1 scales its output norm, so its distributions are peaked, not near uniform. With
+    feature_layers, a random fusion of those layers too."""
+    module = build_module(target, 1, feature_layers)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in module.layers.parameters():
             p.add_(torch.randn_like(p) * scale)
         for layer in module.layers:
             layer.post_norm.weight.mul_(sharpen)
-    card = {"kind": KIND, "target": target.spec, "hidden_size": 32, "vocab_size": target.vocab_size, "layers": 1}
+        if module.fusion is not None:
+            module.fusion.proj.weight.normal_(0, 0.5)
+    card = {"kind": KIND, "target": target.spec, "hidden_size": 32, "vocab_size": target.vocab_size, "layers": 1,
+            "feature_layers": list(feature_layers)}
     save_weights(folder, trained_state(module), card)
     return folder
 
@@ -384,17 +388,24 @@ def test_a_float32_pass_reads_the_answers_written_in_bfloat16(tiny_target, tiny_
 
 # --- the trainer --------------------------------------------------------------------------------
 
-def test_evaluated_acceptance_is_what_decoding_with_the_module_accepts(tiny_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("feature_layers", [(), (1, 2)])
+def test_evaluated_acceptance_is_what_decoding_with_the_module_accepts(tiny_target, tmp_path, monkeypatch,
+                                                                        feature_layers):
     """The trainer's teacher-forced chain acceptance, anchor by anchor, is what the engine's
-    decoding with the same module accepts at each step (float32, so both see the same argmax)."""
+    decoding with the same module accepts at each step (float32, so both see the same argmax).
+    With fused features, the engine hands the module the same layers' hidden states as the
+    corpus stored (training and drafting read the same inputs)."""
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
     target = load_model(tiny_target, dtype="float32")
-    seqs = load_corpus(build_corpus(target, CorpusConfig(prompts=4, max_new_tokens=40, batch_size=4, top_logits=4),
-                                    progress=False))
+    seqs = load_corpus(build_corpus(target, CorpusConfig(prompts=4, max_new_tokens=40, batch_size=4, top_logits=4,
+                                                         feature_layers=feature_layers), progress=False))
     out = tmp_path / "module"  # a module fitted to these very answers, so chains get accepted
-    train_module(target, seqs, {}, ModuleConfig(depths=3, steps=60, batch_positions=256, lr=3e-3), out, "test", {},
-                 progress=False)
-    module, _ = load_module(out, target)
+    train_module(target, seqs, {}, ModuleConfig(depths=3, steps=60, batch_positions=256, lr=3e-3,
+                                                feature_layers=feature_layers), out, "test", {}, progress=False)
+    module, card = load_module(out, target)
+    assert card["feature_layers"] == list(feature_layers)
+    if feature_layers:  # the fusion was trained: it changes what depth 1 reads
+        assert module.fusion.feature_layers == feature_layers and module.fusion.proj.weight.abs().max() > 1e-3
     vocab = load_vocabulary(out)
     weight = target.model.get_output_embeddings().weight[vocab].float()
     report = evaluate(module, weight, vocab, seqs, 3, min(target.eos_token_ids), autocast=False, per_anchor=True)
@@ -460,6 +471,100 @@ def test_trainer_smoke_on_a_tiny_model(tiny_target, tmp_path, monkeypatch):
     # it draws other batches than the run it continues (same --seed, same corpus)
     assert card["training"]["draw_seed"] == card["training"]["seed"] != second["training"]["draw_seed"]
     assert main(warm + ["--init", "no-such-weights"]) == 2
+
+
+@torch.inference_mode()
+def test_the_corpus_keeps_the_feature_layers_hidden_states(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
+    plain = CorpusConfig(prompts=4, max_new_tokens=6, batch_size=4, top_logits=4)
+    fused = CorpusConfig(**{**plain.__dict__, "feature_layers": (1, 3)})
+    assert corpus_dir(target, fused) != corpus_dir(target, plain)  # other content, other shards
+    assert all(s.features is None for s in load_corpus(build_corpus(target, plain, progress=False)))
+    for s in load_corpus(build_corpus(target, fused, progress=False)):
+        out = target.model(input_ids=s.ids[None].long(), output_hidden_states=True)
+        assert s.features.shape == (len(s.ids), 2 * 32) and s.features.dtype == torch.bfloat16
+        for n, layer in enumerate((1, 3)):
+            assert torch.allclose(s.features[:, 32 * n:32 * (n + 1)].float(), out.hidden_states[layer][0].float(), atol=0.05)
+
+
+@pytest.mark.parametrize("spec", [{}, {"tree": "dynamic-8"}, {"lookup_first": 2, "ngram_max": 3}, {"draft_stop": 0.3}])
+def test_a_module_with_fused_features_keeps_greedy_output(target, tmp_path, spec):
+    """A module fusing the target's layers 1 and 3 (random fusion): the drafter asks the engine
+    for those layers' states (through lookup first too), and greedy output is plain greedy."""
+    folder = module_folder(target, tmp_path / "module", feature_layers=(1, 3))
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), **spec))
+    assert drafter.feature_layers == (1, 3)
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, ignore_eos=True)))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
+    assert tokens_of(events) == plain
+    assert sum(len(e.draft_token_ids) for e in events if isinstance(e, Step)) > 10
+
+
+def test_a_fusion_at_zero_drafts_as_the_module_without_it(target, tmp_path):
+    """What a warm start from a module without features begins with: the fusion's projection at
+    zero leaves every draft as it was (the depth-1 input is the final hidden state, bitwise)."""
+    plain = module_folder(target, tmp_path / "plain")
+    module = build_module(target, 1, (1, 2))
+    from engine.mtp.module import load_trained
+
+    from engine.mtp.weights import load_weights
+
+    load_trained(module, load_weights(plain, "cpu", torch.float32) | {
+        f"fusion.{k}": v for k, v in module.fusion.state_dict().items()})
+    card = {"kind": KIND, "target": target.spec, "hidden_size": 32, "vocab_size": target.vocab_size, "layers": 1,
+            "feature_layers": [1, 2]}
+    save_weights(tmp_path / "zero", trained_state(module), card)
+    drafts = []
+    for folder in (plain, tmp_path / "zero"):
+        drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder)))
+        events = generate(target, PROMPT, DecodeConfig(max_new_tokens=24, k=4, ignore_eos=True), drafter)
+        drafts.append([e.draft_token_ids for e in events if isinstance(e, Step)])
+    assert drafts[0] == drafts[1] and sum(map(len, drafts[0])) > 10
+
+
+def test_fused_features_must_agree_between_card_weights_and_target(target, tmp_path):
+    folder = module_folder(target, tmp_path / "module", feature_layers=(1, 2))
+    card = json.loads((folder / CARD_FILE).read_text())
+    (folder / CARD_FILE).write_text(json.dumps({**card, "feature_layers": []}))
+    with pytest.raises(InputError, match="disagree on the fused features"):
+        load_module(folder, target)
+    (folder / CARD_FILE).write_text(json.dumps({**card, "feature_layers": [1, 7]}))
+    with pytest.raises(InputError, match=r"feature layers are 0\.\.3"):
+        load_module(folder, target)
+
+
+def test_the_trainer_fuses_feature_layers_from_a_warm_start(tiny_target, tmp_path, monkeypatch, capsys):
+    """--feature-layers: the corpus keeps those layers, the module starts from one without them
+    (its fusion at zero, so its evaluation before training is that module's), and the card says so."""
+    from engine.train.__main__ import main
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path / "cache"))
+    common = ["mtp-module", "--model", tiny_target, "--prompts", "8", "--heldout", "4", "--spec-bench", "0",
+              "--max-new-tokens", "8", "--data-batch", "4", "--batch-positions", "256", "--depths", "2",
+              "--dtype", "float32", "--quiet", "--answers-dir", str(tmp_path / "answers")]
+    assert main(common + ["--steps", "6", "--out", str(tmp_path / "plain")]) == 0
+    assert main(common + ["--steps", "6", "--out", str(tmp_path / "fused"), "--feature-layers", "1,2",
+                          "--init", str(tmp_path / "plain")]) == 0
+    plain = json.loads((tmp_path / "plain" / CARD_FILE).read_text())
+    fused = json.loads((tmp_path / "fused" / CARD_FILE).read_text())
+    assert fused["feature_layers"] == [1, 2] and plain["feature_layers"] == []
+    assert "fused features" in fused["design"] and "fused" not in plain["design"]
+    before, trained = fused["evaluation_before_training"]["heldout"], plain["evaluation"]["heldout"]
+    assert all(abs(a - b) < 0.05 for a, b in zip(before["top1"], trained["top1"]))
+    target = load_model(tiny_target)
+    plain_tokens = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=16, ignore_eos=True)))
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(tmp_path / "fused")))
+    events = generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=2, ignore_eos=True), drafter)
+    assert tokens_of(events) == plain_tokens
+    # a module with other feature layers cannot continue it; a layer the target lacks is refused
+    assert main(common + ["--steps", "2", "--out", str(tmp_path / "other"), "--feature-layers", "1,3",
+                          "--init", str(tmp_path / "fused")]) == 2
+    assert "fuses feature layers [1, 2]" in capsys.readouterr().err
+    assert main(common + ["--steps", "2", "--out", str(tmp_path / "other"), "--feature-layers", "4"]) == 2
+    assert "feature layers are 0..3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(common + ["--feature-layers", "2,1"])
+    assert "ascending" in capsys.readouterr().err
 
 
 def test_a_time_budget_sets_the_number_of_steps(tiny_target, tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ stats = defaultdict(lambda: {"bands": [[0, 0] for _ in BANDS], "chain": [0.0, 0]
 with torch.no_grad():
     for split, seqs in evals.items():
         for group in _groups(seqs, list(range(len(seqs))), 2048):
-            ids, hidden, top_ids, top_logits, prompt_len, length = _batch(seqs, group, pad)
+            ids, hidden, top_ids, top_logits, prompt_len, length, _ = _batch(seqs, group, pad)
             t = ids.shape[1]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 outs = dict(unroll(module, ids, hidden.float(), DEPTHS))

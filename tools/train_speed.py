@@ -59,7 +59,7 @@ g = torch.Generator().manual_seed(0)
 t, b = 256, 8  # 2,048 positions
 batch = (torch.randint(0, 32646, (b, t), generator=g), torch.randn(b, t, 576, generator=g),
          torch.randint(0, 32646, (b, t, 8), generator=g), torch.randn(b, t, 8, generator=g),
-         torch.full((b,), 96), torch.full((b,), t))
+         torch.full((b,), 96), torch.full((b,), t), None)  # (no fused features)
 
 
 def train_step(autocast: bool) -> float:

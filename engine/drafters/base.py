@@ -57,7 +57,9 @@ class Drafter(Protocol):
         drafts were kept, and the target's final hidden states (n, H) at the positions whose
         logits chose the last n tokens of context (n = the prompt length after the prefill, the
         step's emitted count after a step). MTP heads draft from the last row; native MTP layers
-        need every row; others may ignore it."""
+        need every row; others may ignore it. A drafter with a `feature_layers` attribute (a
+        tuple of i: the state after i decoder layers, transformers' hidden_states[i]) gets (n, (1 + F) H) instead:
+        the final hidden states, then those layers' (an MTP module with EAGLE-3's fused features)."""
         ...
 
 

@@ -92,6 +92,7 @@ class NativeMTPDrafter:
                  vocabulary: torch.Tensor | None = None, tree: TreeShape | DynamicTree | None = None,
                  stop: float = 0.0):
         self.layers = NativeMTP(target, module, vocabulary)
+        self.feature_layers = self.layers.feature_layers  # the target layers a fused module reads
         self.tree = tree
         self.stop = stop  # DrafterSpec.draft_stop
 

@@ -66,6 +66,7 @@ class LookupFirst:
         self.drafter = drafter
         self.name = drafter.name
         self.tree = getattr(drafter, "tree", None)  # the drafter's tree shape, if it drafts trees
+        self.feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # what its observe reads
         self.ngram_min, self.ngram_max = ngram_min, min(ngram_max, MAX_NGRAM)
         self.looked_up = self.drafted = 0  # steps each source proposed
 

@@ -54,10 +54,43 @@ class _Main:
         return self._model.get_input_embeddings()
 
 
-def build_module(target: LoadedModel, layers: int = 1) -> torch.nn.Module:
+class Fusion(torch.nn.Module):
+    """EAGLE-3's fused features (Li et al. 2025), added to DeepSeek's design: the target's hidden
+    states at a few earlier depths (`feature_layers`: i is the state after i decoder layers,
+    transformers' hidden_states[i]), each RMS-normalised, projected F*H -> H and added to the final hidden state that
+    depth 1 reads. Low layers still say which token sits at a position (what a one-layer drafter
+    needs to look back at what followed the same token), middle ones carry what the last layer
+    has already turned into a next-token guess. The projection starts at zero, so a module trained
+    without features starts out drafting exactly as before."""
+
+    def __init__(self, hidden: int, feature_layers: tuple[int, ...], norm: torch.nn.Module):
+        super().__init__()
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.norms = torch.nn.ModuleList(copy.deepcopy(norm) for _ in self.feature_layers)
+        for n in self.norms:
+            torch.nn.init.ones_(n.weight)
+        self.proj = torch.nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
+        torch.nn.init.zeros_(self.proj.weight)
+
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H), features (..., F * H) -> (..., H) in hidden's dtype."""
+        parts = features.to(self.proj.weight.dtype).chunk(len(self.norms), dim=-1)
+        fused = self.proj(torch.cat([n(p) for n, p in zip(self.norms, parts)], -1))
+        return (hidden.to(fused.dtype) + fused).to(hidden.dtype)
+
+
+def check_feature_layers(feature_layers: tuple[int, ...], layers: int) -> None:
+    """Feature layers are states before the final one: 0 (the embeddings) .. layers - 1."""
+    if any(not 0 <= i < layers for i in feature_layers):
+        raise InputError(f"feature layers are 0..{layers - 1} for this target (got {list(feature_layers)})")
+
+
+def build_module(target: LoadedModel, layers: int = 1, feature_layers: tuple[int, ...] = ()) -> torch.nn.Module:
     """A new MTP module for the target (initialised from its last layer and final norm), its
     layers float32 on the target's device; the shared embedding and LM head are the target's
-    modules (never move or cast the whole module: that would change the target's)."""
+    modules (never move or cast the whole module: that would change the target's). With
+    feature_layers the module also has a `fusion` (EAGLE-3's fused features, zero at first),
+    else `fusion` is None."""
     from transformers.modeling_layers import MtpModel
 
     if not 1 <= layers <= 8:
@@ -75,21 +108,39 @@ def build_module(target: LoadedModel, layers: int = 1) -> torch.nn.Module:
             layer.eh_proj.weight.zero_()
             layer.eh_proj.weight[:, hidden:].copy_(torch.eye(hidden))
     module.layers.to(target.device, torch.float32)  # (only the layers: the rest is the target's own)
+    module.fusion = None
+    if feature_layers:
+        check_feature_layers(feature_layers, len(decoder.layers))
+        module.fusion = Fusion(hidden, feature_layers, decoder.norm).to(target.device, torch.float32)
     return module
 
 
 def trained_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What training changes and the weights file stores: the MTP layers only."""
-    return {f"layers.{k}": v for k, v in module.layers.state_dict().items()}
+    """What training changes and the weights file stores: the MTP layers (and the fusion)."""
+    fusion = {} if module.fusion is None else {f"fusion.{k}": v for k, v in module.fusion.state_dict().items()}
+    return {f"layers.{k}": v for k, v in module.layers.state_dict().items()} | fusion
+
+
+def load_trained(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Puts a weights file's tensors (trained_state's names) into a module built with the same
+    layers and feature layers."""
+    module.layers.load_state_dict({k.removeprefix("layers."): v for k, v in state.items() if k.startswith("layers.")},
+                                  strict=True)
+    fusion = {k.removeprefix("fusion."): v for k, v in state.items() if k.startswith("fusion.")}
+    if (module.fusion is None) != (not fusion):
+        raise InputError("the weights and the card disagree on the fused features")
+    if module.fusion is not None:
+        module.fusion.load_state_dict(fusion, strict=True)
 
 
 def load_module(folder: Path, target: LoadedModel) -> tuple[torch.nn.Module, dict]:
     """A trained module for this target, on its device and dtype, and its card."""
     card = read_card_for(folder, KIND, target, "MTP module")
-    module = build_module(target, card["layers"])
-    state = {k.removeprefix("layers."): v for k, v in load_weights(folder, "cpu", torch.float32).items()}
-    module.layers.load_state_dict(state, strict=True)
+    module = build_module(target, card["layers"], tuple(card.get("feature_layers", ())))
+    load_trained(module, load_weights(folder, "cpu", torch.float32))
     module.layers.to(target.device, target.dtype).requires_grad_(False)
+    if module.fusion is not None:
+        module.fusion.to(target.device, target.dtype).requires_grad_(False)
     if target.batch_invariant:
         # the target's fast CPU kernels (prepacked products, blocked attention): drafting need
         # not be batch-invariant (the target's verification decides), but these are the faster

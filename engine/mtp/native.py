@@ -62,6 +62,10 @@ class NativeMTP:
             module.eval().requires_grad_(False)
         self.mtp = module
         self.mtp_config = module.config
+        # EAGLE-3's fused features (engine.mtp.module.Fusion): the target's hidden states after
+        # these layers come beside the final ones (observe) and are fused into depth 1's input
+        self.fusion = getattr(module, "fusion", None)
+        self.feature_layers = () if self.fusion is None else self.fusion.feature_layers
         # a Llama-kind module's depths computed directly (engine/mtp/fast.py), else forward_layer
         self.fast = fast.FastModule(module) if fast.supported(module) else None
         self.vocab = target.vocab_size
@@ -79,6 +83,10 @@ class NativeMTP:
         self._grow_in_place = full_attention(self.mtp_config)
 
     def observe(self, context: list[int], accepted: int, hidden: torch.Tensor) -> None:
+        """hidden (n, H): the target's final hidden states; (n, (1 + F) H) with feature layers."""
+        if self.fusion is not None:
+            size = self.mtp_config.hidden_size
+            hidden = self.fusion(hidden[:, :size], hidden[:, size:])
         self._extend(0, hidden)
         if self.subset is not None:
             self.subset.include(context)  # the request's own tokens can be drafted

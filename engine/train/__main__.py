@@ -130,10 +130,28 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
                    help="the target's dtype in the teacher-forced pass whose hidden states and logits the module "
                         "learns from (auto: the answers' dtype, float32 where this CPU emulates bfloat16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-layers", type=_layers, default=(), metavar="I,J,...",
+                   help="also keep the target's hidden states after this many decoder layers (EAGLE-3's fused features; "
+                        "the module then fuses them into depth 1's input)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--answers-dir", default=str(ANSWERS_DIR),
                    help="where the target's answers are kept and reused (committed; 'none': only in the shards)")
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    """--feature-layers: comma-separated layer numbers, ascending, no repeats.
+
+    >>> _layers("2,15,27"), _layers("")
+    ((2, 15, 27), ())
+    """
+    try:
+        layers = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"feature layers are comma-separated numbers (got {text!r})") from None
+    if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError(f"feature layers are ascending, distinct and >= 0 (got {text!r})")
+    return layers
 
 
 def _answers_dir(args: argparse.Namespace) -> Path | None:
@@ -177,7 +195,7 @@ def _corpus_dataset(args: argparse.Namespace) -> Dataset:
 
 def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     base = CorpusConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, batch_size=args.data_batch,
-                        seed=args.seed)
+                        seed=args.seed, feature_layers=args.feature_layers)
     progress = not args.quiet
     if args.command == "corpus" and args.answers_only:
         answerer = load_model(args.model, device="cpu", dtype=args.dtype, kernels="stock")  # batched: stock kernels
@@ -197,7 +215,7 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     info = {"prompts_file": _prompt_files(args), "corpus": corpus_dir(target, base, answerer).name,
             **_dtypes(target, answerer), "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
-                       lr=args.lr, seed=args.seed, minutes=args.minutes,
+                       lr=args.lr, seed=args.seed, minutes=args.minutes, feature_layers=args.feature_layers,
                        init=str(resolve_weights(args.init)) if args.init else "")
     evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
     card = train_module(target, data["train"] + data["self"] + data["tasks"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),

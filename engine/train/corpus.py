@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from engine.errors import InputError
 from engine.models import LoadedModel, cache_root, load_model
+from engine.mtp.module import check_feature_layers
 from engine.train.common import fast_bfloat16
 
 TRAIN_PROMPTS = Path(__file__).with_name("train_prompts.jsonl")
@@ -55,6 +56,7 @@ class CorpusConfig:
     batch_size: int = 16
     top_logits: int = 8  # target logits kept per position (the distillation target)
     seed: int = 0
+    feature_layers: tuple[int, ...] = ()  # also keep these layers' hidden states (EAGLE-3's fused features)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Sequence:
     hidden: torch.Tensor  # (T, H) bfloat16
     top_ids: torch.Tensor  # (T, K) int32
     top_logits: torch.Tensor  # (T, K) bfloat16
+    features: torch.Tensor | None = None  # (T, F * H) bfloat16: the feature layers' hidden states, side by side
 
     @property
     def answer_len(self) -> int:
@@ -136,6 +139,8 @@ def corpus_dir(target: LoadedModel, cfg: CorpusConfig, answerer: LoadedModel | N
            cfg.seed]
     if answerer is not None and answerer.dtype != target.dtype:
         key.append(f"answered in {answerer.dtype}")
+    if cfg.feature_layers:
+        key.append(f"features {list(cfg.feature_layers)}")
     return cache_root() / "train" / f"corpus-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}"
 
 
@@ -174,21 +179,25 @@ def generate_answers(target: LoadedModel, batch: list[tuple[str, str, list[int]]
 def teacher_forced(target: LoadedModel, batch: list[tuple[str, str, list[int]]], answers: list[list[int]],
                    cfg: CorpusConfig) -> list[Sequence]:
     """One right-padded forward over each prompt + answer: every position's final hidden state
-    and the target's top-K logits."""
+    and the target's top-K logits (and the feature layers' hidden states where asked for:
+    i is the state after i decoder layers, transformers' hidden_states[i])."""
     model = target.model
     pad = sorted(target.eos_token_ids)[0]
     seqs = [prompt + answer for (_, _, prompt), answer in zip(batch, answers)]
     longest = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad] * (longest - len(s)) for s in seqs])
     attn = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in seqs])
-    hidden = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    states = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1).hidden_states
+    hidden = states[-1]
+    features = torch.cat([states[i] for i in cfg.feature_layers], -1) if cfg.feature_layers else None
     lm_head = model.get_output_embeddings()
     result = []
-    for (key, source, prompt), seq, h in zip(batch, seqs, hidden):
+    for b, ((key, source, prompt), seq, h) in enumerate(zip(batch, seqs, hidden)):
         h = h[: len(seq)]
         top = torch.topk(lm_head(h).float(), cfg.top_logits, dim=-1)  # (T, K)
+        f = None if features is None else features[b, : len(seq)].to(torch.bfloat16).clone()
         result.append(Sequence(key, source, torch.tensor(seq, dtype=torch.int32), len(prompt), h.to(torch.bfloat16).clone(),
-                               top.indices.to(torch.int32), top.values.to(torch.bfloat16)))
+                               top.indices.to(torch.int32), top.values.to(torch.bfloat16), f))
     return result
 
 
@@ -208,7 +217,8 @@ class AnswerStore:
                           cfg.seed])
         self.path = Path(folder) / f"answers-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl.gz"
         self.header = {"target": target.spec, "dtype": str(target.dtype).removeprefix("torch."),
-                       "settings": {k: v for k, v in asdict(cfg).items() if k not in ("split", "prompts", "top_logits")}}
+                       "settings": {k: v for k, v in asdict(cfg).items()
+                                    if k not in ("split", "prompts", "top_logits", "feature_layers")}}
         self.rows: dict[str, dict] = {}
         if self.path.is_file():
             with gzip.open(self.path, "rt", encoding="utf-8") as f:
@@ -259,6 +269,8 @@ def build_corpus(target: LoadedModel, cfg: CorpusConfig, progress: bool = True,
     reads the hidden states the float32 target gives the drafter at run time, while the answers
     stay the committed ones."""
     answerer = target if answerer is None else answerer
+    if cfg.feature_layers:
+        check_feature_layers(cfg.feature_layers, target.model.config.get_text_config().num_hidden_layers)
     if answerer.spec != target.spec:
         raise InputError(f"the answers must be {target.spec}'s own (got {answerer.spec})")
     store = AnswerStore(answers_dir, answerer, cfg) if answers_dir is not None else None

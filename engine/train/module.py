@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from engine.bench.prompts import MT_BENCH
 from engine.models import LoadedModel, cache_root
-from engine.mtp.module import KIND, build_module, trained_state
+from engine.mtp.module import KIND, build_module, load_trained, trained_state
 from engine.errors import InputError
 from engine.mtp.weights import load_weights, read_card_for, save_weights
 from engine.train.common import (answered, budget_steps, cosine_lr, fast_bfloat16, seed_everything, train_vocabulary,
@@ -56,6 +56,7 @@ class ModuleConfig:
     checkpoint_every: int = 100
     minutes: float = 0.0  # > 0: a time budget; the first steps are timed and `steps` set to fit it
     init: str = ""  # a trained module's folder to start from (warm start), "" for the target's last layer
+    feature_layers: tuple[int, ...] = ()  # the target's earlier layers fused into depth 1's input (EAGLE-3)
 
 
 FIRST_IDS = 8192  # the tokenizer's first ids join the training vocabulary (BPE merge order ~ frequency)
@@ -70,9 +71,10 @@ def training_vocabulary(seqs: list[Sequence], vocab_size: int, top: int = 4, fir
 
 
 def _batch(seqs: list[Sequence], order: list[int], pad: int) -> tuple[torch.Tensor, ...]:
-    """ids (B, T), hidden (B, T, H), top_ids / top_logits (B, T, K), prompt_len (B,), length (B,)."""
+    """ids (B, T), hidden (B, T, H), top_ids / top_logits (B, T, K), prompt_len (B,), length (B,),
+    features (B, T, F * H) or None (sequences without the feature layers' states)."""
     longest = max(int(seqs[i].ids.shape[0]) for i in order)
-    ids, hidden, top_ids, top_logits = [], [], [], []
+    ids, hidden, top_ids, top_logits, features = [], [], [], [], []
     for i in order:
         s = seqs[i]
         extra = longest - int(s.ids.shape[0])
@@ -80,8 +82,11 @@ def _batch(seqs: list[Sequence], order: list[int], pad: int) -> tuple[torch.Tens
         hidden.append(F.pad(s.hidden, (0, 0, 0, extra)))
         top_ids.append(F.pad(s.top_ids.long(), (0, 0, 0, extra)))
         top_logits.append(F.pad(s.top_logits.float(), (0, 0, 0, extra), value=float("-inf")))
+        if s.features is not None:
+            features.append(F.pad(s.features, (0, 0, 0, extra)))
     return (torch.stack(ids), torch.stack(hidden), torch.stack(top_ids), torch.stack(top_logits),
-            torch.tensor([seqs[i].prompt_len for i in order]), torch.tensor([int(seqs[i].ids.shape[0]) for i in order]))
+            torch.tensor([seqs[i].prompt_len for i in order]), torch.tensor([int(seqs[i].ids.shape[0]) for i in order]),
+            torch.stack(features) if len(features) == len(order) else None)
 
 
 def depth_rows(d: int, t: int, prompt_len: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
@@ -94,9 +99,14 @@ def depth_rows(d: int, t: int, prompt_len: torch.Tensor, length: torch.Tensor) -
     return (p >= prompt_len[:, None]) & (p < length[:, None])
 
 
-def unroll(module, ids: torch.Tensor, hidden: torch.Tensor, depths: int):
-    """Yield (d, out (B, T - d, H)) for d = 1..depths: h^d from h^{d-1} and x_{i+d}."""
+def unroll(module, ids: torch.Tensor, hidden: torch.Tensor, depths: int, features: torch.Tensor | None = None):
+    """Yield (d, out (B, T - d, H)) for d = 1..depths: h^d from h^{d-1} and x_{i+d} (h^0: the
+    target's final hidden state, with the feature layers' states fused in where the module has a fusion)."""
     t = ids.shape[1]
+    if getattr(module, "fusion", None) is not None:
+        if features is None:
+            raise InputError("this module fuses the target's feature layers; the corpus holds none (--feature-layers)")
+        hidden = module.fusion(hidden, features)
     below = hidden
     for d in range(1, depths + 1):
         if t - d < 2:
@@ -117,10 +127,10 @@ def _soft_targets(top_ids: torch.Tensor, top_logits: torch.Tensor, to_vocab: tor
 
 
 def module_loss(module, weight: torch.Tensor, to_vocab: torch.Tensor, batch: tuple, depths: int) -> torch.Tensor:
-    ids, hidden, top_ids, top_logits, prompt_len, length = batch
+    ids, hidden, top_ids, top_logits, prompt_len, length, features = batch
     t = ids.shape[1]
     total, count = 0.0, 0
-    for d, out in unroll(module, ids, hidden, depths):
+    for d, out in unroll(module, ids, hidden, depths, features):
         rows = depth_rows(d, t, prompt_len, length)  # (B, t - d - 1)
         if not rows.any():
             continue
@@ -149,11 +159,11 @@ def evaluate(module, weight: torch.Tensor, vocab: torch.Tensor, seqs: list[Seque
     counted = torch.zeros(depths)
     accepted_total, anchors = 0.0, 0
     for group in _groups(seqs, list(range(len(seqs))), batch_positions):
-        ids, hidden, top_ids, top_logits, prompt_len, length = _batch(seqs, group, pad)
+        ids, hidden, top_ids, top_logits, prompt_len, length, features = _batch(seqs, group, pad)
         t = ids.shape[1]
         dtype = next(module.layers.parameters()).dtype
         with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=autocast and fast_bfloat16(hidden.device)):
-            outs = dict(unroll(module, ids, hidden.to(dtype), depths))
+            outs = dict(unroll(module, ids, hidden.to(dtype), depths, None if features is None else features.to(dtype)))
         # right[d-1]: (B, t) bool at anchor row i: depth d's draft equals the target's choice
         right = torch.zeros(depths, *ids.shape, dtype=torch.bool)
         valid = torch.zeros(depths, *ids.shape, dtype=torch.bool)
@@ -258,14 +268,20 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
                  out: Path, command: str, data_info: dict, progress: bool = True) -> dict:
     gen = seed_everything(cfg.seed)
     pad = min(target.eos_token_ids, default=0)
-    module = build_module(target, cfg.layers)
+    module = build_module(target, cfg.layers, cfg.feature_layers)
     history = []  # earlier runs this one continues (warm start), from their cards
     if cfg.init:
         card = read_card_for(Path(cfg.init), KIND, target, "MTP module")
         if card["layers"] != cfg.layers:
             raise InputError(f"{cfg.init} has {card['layers']} layers; --layers is {cfg.layers}")
-        state = {k.removeprefix("layers."): v for k, v in load_weights(Path(cfg.init), "cpu", torch.float32).items()}
-        module.layers.load_state_dict(state, strict=True)
+        before_layers = tuple(card.get("feature_layers", ()))
+        if before_layers and before_layers != tuple(cfg.feature_layers):
+            raise InputError(f"{cfg.init} fuses feature layers {list(before_layers)}; --feature-layers is "
+                             f"{list(cfg.feature_layers)}")
+        state = load_weights(Path(cfg.init), "cpu", torch.float32)
+        if not before_layers and module.fusion is not None:  # a module without features: its fusion starts at zero
+            state = state | {f"fusion.{k}": v for k, v in module.fusion.state_dict().items()}
+        load_trained(module, state)
         history = card.get("training_history", []) + [{k: card["training"].get(k) for k in
                                                       ("steps_run", "batch_positions", "lr", "train_s", "final_loss")}
                                                      | {"command": card.get("command")}]
@@ -275,13 +291,15 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
     to_vocab = torch.full((target.vocab_size,), -1, dtype=torch.long)
     to_vocab[vocab] = torch.arange(len(vocab))
     weight = target.model.get_output_embeddings().weight.detach()[vocab].float()  # (S, H), frozen
-    params = list(module.layers.parameters())
+    params = list(module.layers.parameters()) + ([] if module.fusion is None else list(module.fusion.parameters()))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     start, seconds, steps = 0, 0.0, cfg.steps
     ckpt = _checkpoint_path(cfg, target, out)
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
         module.layers.load_state_dict(state["layers"])
+        if module.fusion is not None:
+            module.fusion.load_state_dict(state["fusion"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
         start, seconds = state["step"], state["seconds"]
@@ -304,7 +322,8 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
             positions += int(train[i].ids.shape[0])
         batch = _batch(train, order, pad)
         with torch.autocast(weight.device.type, dtype=torch.bfloat16, enabled=fast_bfloat16(weight.device)):
-            loss = module_loss(module, weight, to_vocab, (batch[0], batch[1].float(), *batch[2:]), cfg.depths)
+            loss = module_loss(module, weight, to_vocab, (batch[0], batch[1].float(), *batch[2:6],
+                                                          None if batch[6] is None else batch[6].float()), cfg.depths)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -314,7 +333,8 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         step += 1
         if step % cfg.checkpoint_every == 0 and step < steps:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"layers": module.layers.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+            torch.save({"layers": module.layers.state_dict(),
+                        "fusion": None if module.fusion is None else module.fusion.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                         "step": step, "steps": steps, "seconds": seconds + time.perf_counter() - begin},
                        ckpt.with_suffix(".tmp"))
             ckpt.with_suffix(".tmp").replace(ckpt)
@@ -327,9 +347,12 @@ def train_module(target: LoadedModel, train: list[Sequence], evals: dict[str, li
         "hidden_size": int(target.model.config.get_text_config().hidden_size),
         "vocab_size": target.vocab_size,
         "layers": cfg.layers,
+        "feature_layers": list(cfg.feature_layers),
         "design": "DeepSeek-V3 MTP module (section 2.2): per depth RMSNorm(h^{d-1}) and RMSNorm(embedding of the token "
                   "just chosen), concatenated, projected 2H -> H, one decoder block of the target's kind, a post norm, "
-                  "the target's LM head; one layer reused across depths",
+                  "the target's LM head; one layer reused across depths"
+                  + ("; h^0 is the target's final hidden state plus EAGLE-3's fused features: the feature layers' "
+                     "hidden states, each RMS-normalised, projected F*H -> H" if cfg.feature_layers else ""),
         "predicts": "depth d at position i reads h^{d-1}_i and token x_{i+d}, and predicts x_{i+d+1}",
         "storage": "float16 safetensors: the MTP layers only; embedding, LM head and rotary come from the target",
         "command": command,
