@@ -556,7 +556,10 @@ def test_the_trainer_fuses_feature_layers_from_a_warm_start(tiny_target, tmp_pat
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(tmp_path / "fused")))
     events = generate(target, PROMPT, DecodeConfig(max_new_tokens=16, k=2, ignore_eos=True), drafter)
     assert tokens_of(events) == plain_tokens
-    # a module with other feature layers cannot continue it; a layer the target lacks is refused
+    # training it further takes its feature layers by default; other ones cannot continue it
+    assert main(common + ["--steps", "2", "--out", str(tmp_path / "further"), "--init", str(tmp_path / "fused")]) == 0
+    assert json.loads((tmp_path / "further" / CARD_FILE).read_text())["feature_layers"] == [1, 2]
+    capsys.readouterr()
     assert main(common + ["--steps", "2", "--out", str(tmp_path / "other"), "--feature-layers", "1,3",
                           "--init", str(tmp_path / "fused")]) == 2
     assert "fuses feature layers [1, 2]" in capsys.readouterr().err

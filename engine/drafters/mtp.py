@@ -6,6 +6,8 @@ first that exists):
   (engine/mtp/native.py);
 - a DeepSeek-style MTP module trained here (engine/mtp/module.py, kind "module"): each depth
   reads the previous depth's hidden state AND the token just drafted, through the same driver.
+  A module with fused features (EAGLE-3) also reads the target's hidden states after some
+  earlier layers at depth 1 (its `feature_layers`; the loop hands them over with the final ones).
   A tree (--tree SHAPE) is one rollout per branch: each node is ranked in the distribution the
   module gives after its own path's tokens (EAGLE-style), all nodes of a depth in one batch; a
   dynamic tree (--tree dynamic-8) is grown at every step from those distributions (EAGLE-2);

@@ -25,7 +25,7 @@ import torch
 
 from engine.errors import InputError
 from engine.models import load_model
-from engine.mtp.weights import WEIGHTS_DIR, resolve_weights
+from engine.mtp.weights import CARD_FILE, WEIGHTS_DIR, resolve_weights
 from engine.train.common import answered, write_vocabulary
 from engine.train.corpus import (ANSWERS_DIR, SPLITS, TEACHER_DTYPES, CorpusConfig, answer_examples, build_corpus,
                                  corpus_dir, corpus_models, corpus_stats, load_corpus)
@@ -130,9 +130,9 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
                    help="the target's dtype in the teacher-forced pass whose hidden states and logits the module "
                         "learns from (auto: the answers' dtype, float32 where this CPU emulates bfloat16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--feature-layers", type=_layers, default=(), metavar="I,J,...",
+    p.add_argument("--feature-layers", type=_layers, default=None, metavar="I,J,...",
                    help="also keep the target's hidden states after this many decoder layers (EAGLE-3's fused features; "
-                        "the module then fuses them into depth 1's input)")
+                        "the module then fuses them into depth 1's input). Default: those of the --init module, else none")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--answers-dir", default=str(ANSWERS_DIR),
@@ -193,9 +193,20 @@ def _corpus_dataset(args: argparse.Namespace) -> Dataset:
     return Dataset(answer_examples(train, "train") + answer_examples(data["heldout"], "heldout"), info)
 
 
+def _feature_layers(args: argparse.Namespace) -> tuple[int, ...]:
+    """--feature-layers as given, else the warm start's own (a fused module trains on as one)."""
+    if args.feature_layers is not None:
+        return args.feature_layers
+    if getattr(args, "init", ""):
+        card = json.loads((resolve_weights(args.init) / CARD_FILE).read_text())
+        return tuple(card.get("feature_layers", ()))
+    return ()
+
+
 def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
+    feature_layers = _feature_layers(args)
     base = CorpusConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, batch_size=args.data_batch,
-                        seed=args.seed, feature_layers=args.feature_layers)
+                        seed=args.seed, feature_layers=feature_layers)
     progress = not args.quiet
     if args.command == "corpus" and args.answers_only:
         answerer = load_model(args.model, device="cpu", dtype=args.dtype, kernels="stock")  # batched: stock kernels
@@ -215,7 +226,7 @@ def _corpus_main(args: argparse.Namespace, argv: list[str]) -> int:
     info = {"prompts_file": _prompt_files(args), "corpus": corpus_dir(target, base, answerer).name,
             **_dtypes(target, answerer), "settings": {**base.__dict__, "split": None}}
     cfg = ModuleConfig(layers=args.layers, depths=args.depths, steps=args.steps, batch_positions=args.batch_positions,
-                       lr=args.lr, seed=args.seed, minutes=args.minutes, feature_layers=args.feature_layers,
+                       lr=args.lr, seed=args.seed, minutes=args.minutes, feature_layers=feature_layers,
                        init=str(resolve_weights(args.init)) if args.init else "")
     evals = {name: data[split] for name, split in (("heldout", "heldout"), ("spec_bench", "spec-bench")) if data[split]}
     card = train_module(target, data["train"] + data["self"] + data["tasks"], evals, cfg, Path(args.out), "python -m engine.train " + " ".join(argv),
