@@ -132,7 +132,7 @@ def prefill(
         out = target.model(
             input_ids=ids[:, start:end], cache=cache, use_cache=True, logits_to_keep=1, output_hidden_states=True
         )
-        hidden.append(hidden_of(out.hidden_states, feature_layers))  # (chunk, H)
+        hidden.append(hidden_of(out.hidden_states, feature_layers))  # (chunk, (1 + F) H)
         _sync(target.device)
         chunk_record = PrefillChunk(index, start, end, start_s, clock.now() - start_s)
         with clock.handed_out():

@@ -159,7 +159,7 @@ def test_mtp_kind_chooses_module_or_heads(target, tmp_path):
         build_drafter(target, DrafterSpec("mtp", mtp_kind="module"))
 
 
-@pytest.mark.parametrize("tree", ["small", "large", "dynamic-8", "dynamic-16"])
+@pytest.mark.parametrize("tree", ["small", "large", "dynamic-8", "dynamic-16", "dynamic-64"])
 def test_module_tree_greedy_output_is_plain_greedy(target, tmp_path, tree):
     folder = module_folder(target, tmp_path / "module")
     drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder), tree=tree))
