@@ -568,6 +568,11 @@ def test_the_trainer_fuses_feature_layers_from_a_warm_start(tiny_target, tmp_pat
     with pytest.raises(SystemExit):
         main(common + ["--feature-layers", "2,1"])
     assert "ascending" in capsys.readouterr().err
+    # a warm start from weights of another kind is refused with a clear error
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / CARD_FILE).write_text(json.dumps({"kind": "mtp-heads"}))
+    assert main(common + ["--steps", "2", "--out", str(tmp_path / "other"), "--init", str(tmp_path / "heads")]) == 2
+    assert "holds 'mtp-heads' weights, not 'mtp-module'" in capsys.readouterr().err
 
 
 def test_a_time_budget_sets_the_number_of_steps(tiny_target, tmp_path, monkeypatch):

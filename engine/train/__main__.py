@@ -25,7 +25,8 @@ import torch
 
 from engine.errors import InputError
 from engine.models import load_model
-from engine.mtp.weights import CARD_FILE, WEIGHTS_DIR, resolve_weights
+from engine.mtp.module import KIND as MODULE_KIND
+from engine.mtp.weights import WEIGHTS_DIR, read_card, resolve_weights
 from engine.train.common import answered, write_vocabulary
 from engine.train.corpus import (ANSWERS_DIR, SPLITS, TEACHER_DTYPES, CorpusConfig, answer_examples, build_corpus,
                                  corpus_dir, corpus_models, corpus_stats, load_corpus)
@@ -198,8 +199,7 @@ def _feature_layers(args: argparse.Namespace) -> tuple[int, ...]:
     if args.feature_layers is not None:
         return args.feature_layers
     if getattr(args, "init", ""):
-        card = json.loads((resolve_weights(args.init) / CARD_FILE).read_text())
-        return tuple(card.get("feature_layers", ()))
+        return tuple(read_card(resolve_weights(args.init), MODULE_KIND).get("feature_layers", ()))
     return ()
 
 
