@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.mtp.tree import depths
 from engine.trace import PrefillChunk, Step
 
 
@@ -54,12 +55,19 @@ def mean_acceptance_length(steps: Sequence[Step]) -> float | None:
     return sum(len(s.emitted) for s in vs) / len(vs) if vs else None
 
 
+def draft_depth(step: Step) -> int:
+    """How many draft positions a step examined in sequence: k for a chain, the depth of its
+    deepest draft for a tree (whose k counts nodes, several at one position)."""
+    return max(depths(step.draft_parents)) if step.draft_parents else step.k
+
+
 def per_position_acceptance(steps: Sequence[Step]) -> list[float]:
-    """[i]: accepted at draft position i / steps that drafted position i."""
-    longest = max((s.k for s in steps), default=0)
+    """[i]: accepted at draft position i / steps that drafted position i (for a tree, position i
+    is depth i + 1: accepted there when the accepted path reaches that depth)."""
+    longest = max((draft_depth(s) for s in verify_steps(steps)), default=0)
     rates = []
     for i in range(longest):
-        drafted = [s for s in verify_steps(steps) if s.k > i]
+        drafted = [s for s in verify_steps(steps) if draft_depth(s) > i]
         rates.append(sum(1 for s in drafted if s.accepted > i) / len(drafted))
     return rates
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
+from engine import metrics
 from engine.acceptance import AcceptRule
 from engine.decoding import DecodeConfig, generate, rollback, verify
 from engine.drafters import DraftProposal, DrafterSpec, build_drafter
@@ -174,6 +175,10 @@ def test_greedy_tree_verification_is_plain_greedy(target, k):
         assert len(s.accepted_nodes) == s.accepted and s.draft_parents and len(s.draft_parents) == s.k
         assert [s.draft_token_ids[i] for i in s.accepted_nodes] == [t.token_id for t in s.emitted][: s.accepted]
         assert s.kv_len_after == s.kv_len_before + 1 + s.accepted or s is steps[-1]
+    # per-position acceptance reads a tree by depth (its k counts 2 nodes a depth here)
+    full = [s for s in steps if len(s.draft_parents) == 2 * k]
+    rates = metrics.per_position_acceptance(full)
+    assert len(rates) == k and rates == [sum(s.accepted > i for s in full) / len(full) for i in range(k)]
 
 
 # --- MTP heads drafter --------------------------------------------------------------------

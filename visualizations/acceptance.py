@@ -25,12 +25,12 @@ PLOT_HEIGHT_PX = 370  # the theory chart's height above its bottom margin (plotl
 
 
 def per_position_chart(steps: Sequence[Step]) -> go.Figure:
-    """Bar i: accepted at draft position i / steps that drafted position i."""
+    """Bar i: accepted at draft position i / steps that drafted position i (a tree's depth i)."""
     title = "Acceptance by draft position"
     rates = metrics.per_position_acceptance(steps)
     if not rates:
         return note_figure(title, "No drafted tokens yet")
-    drafted = [sum(1 for s in metrics.verify_steps(steps) if s.k > i) for i in range(len(rates))]
+    drafted = [sum(1 for s in metrics.verify_steps(steps) if metrics.draft_depth(s) > i) for i in range(len(rates))]
     positions = list(range(1, len(rates) + 1))
     fig = go.Figure(go.Bar(
         x=positions, y=rates, marker_color=KIND_COLORS["accepted"], name="acceptance",
