@@ -115,7 +115,8 @@ def test_entries_grow_in_place_and_crop_from_the_end(monkeypatch):
 @pytest.mark.parametrize("tree", [None, "dynamic-8"])
 def test_the_embedded_modules_drafts_mostly_match_forward_layers(embedded, tree):
     """Both paths keep the output exact; in bfloat16 their drafts differ only where the module's
-    own choice is nearly tied (the hidden states round differently)."""
+    own choice is nearly tied (the hidden states round differently): a chain's steps draft the
+    same tokens, or part ways at a position whose top two are within 0.05 in both paths."""
     ids = embedded.encode("Write a short poem about the sea, then explain its rhyme scheme.")
     runs = []
     for use_fast in (True, False):
@@ -127,10 +128,23 @@ def test_the_embedded_modules_drafts_mostly_match_forward_layers(embedded, tree)
         runs.append(events)
     assert tokens_of(runs[0]) == tokens_of(runs[1])
     steps = [[s for s in events if hasattr(s, "draft_token_ids")] for events in runs]
-    same = total = 0
+    same = total = steps_same = steps_total = 0
     for a, b in zip(*steps):
         if list(a.emitted) != list(b.emitted):
             break  # the runs' steps part ways where a draft differed
         total += len(b.draft_token_ids)
         same += sum(x == y for x, y in zip(a.draft_token_ids, b.draft_token_ids))
-    assert total >= 20 and same >= (0.9 if tree is None else 0.8) * total  # (a tree's low ranks are often near ties)
+        steps_total += 1
+        steps_same += a.draft_token_ids == b.draft_token_ids
+        if tree is None and a.draft_token_ids != b.draft_token_ids:
+            # a chain's drafts part ways at one position, where each path's own top two are a near
+            # tie (the drafts after it then follow different tokens)
+            j = next(i for i, (x, y) in enumerate(zip(a.draft_token_ids, b.draft_token_ids)) if x != y)
+            for mine, other in ((a, b), (b, a)):
+                probs = {t.token_id: t.prob for t in mine.draft_top[j]}
+                assert other.draft_token_ids[j] in probs and probs[mine.draft_token_ids[j]] - probs[other.draft_token_ids[j]] < 0.05
+    assert total >= 20
+    if tree is None:
+        assert steps_same >= 0.75 * steps_total
+    else:
+        assert same >= 0.8 * total  # (a tree's low ranks are often near ties)
