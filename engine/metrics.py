@@ -10,8 +10,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.mtp.tree import depths
-from engine.trace import PrefillChunk, Step
+from engine.trace import PrefillChunk, Step, depths
 
 
 def verify_steps(steps: Sequence[Step]) -> list[Step]:

@@ -24,11 +24,26 @@ MAX_TRACE_BYTES = 20_000_000  # a trace upload larger than this is refused befor
 MAX_ITEMS = 200_000  # no list inside a trace may be longer
 MAX_DEPTH = 12  # JSON nesting deeper than the schema can ever be is refused
 MAX_OUTPUT_TOKENS = 4096  # no run emits more (engine.decoding.MAX_NEW_TOKENS is this)
-MAX_STEP_DRAFTS = 256  # no step of a trace drafts more (chains draft <= 16, the largest tree 16)
+MAX_STEP_DRAFTS = 256  # no step of a trace drafts more (chains draft <= 16, the largest shipped tree 64)
 MAX_TOKEN_BYTES = 128  # no token's raw_bytes is longer (SmolLM2's longest token is 81 bytes)
 TOP_N = 5  # alternatives kept per emitted token (and per MTP head)
 MAX_CURVE_POINTS = 64  # a verify curve (RunInfo.verify_ms) measures T = 1..17
 STOP_REASONS = ("eos", "max_new_tokens", "context", "stopped")  # "context": the model's context is full
+
+
+def depths(parents: tuple[int, ...]) -> list[int]:
+    """Depth of each draft of a tree given by its parents (Step.draft_parents; a child of the
+    root, the last context token, has depth 1). engine.mtp.tree builds and verifies trees.
+
+    >>> depths((-1, 0, -1, 2, 1))
+    [1, 2, 1, 2, 3]
+    """
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"draft {i} has parent {p}: parents must come before their children")
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
 
 
 @dataclass(frozen=True)

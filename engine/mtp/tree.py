@@ -27,22 +27,9 @@ from transformers.cache_utils import DynamicLayer
 from engine.acceptance import Acceptance
 from engine.errors import InputError
 from engine.kv import GrowingLayer
+from engine.trace import depths  # (kept there: metrics and views read trees without torch's model code)
 
 TREES_FILE = Path(__file__).with_name("trees.yaml")
-
-
-def depths(parents: tuple[int, ...]) -> list[int]:
-    """Depth of each draft (a child of the root has depth 1).
-
-    >>> depths((-1, 0, -1, 2, 1))
-    [1, 2, 1, 2, 3]
-    """
-    out: list[int] = []
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"draft {i} has parent {p}: parents must come before their children")
-        out.append(1 if p < 0 else out[p] + 1)
-    return out
 
 
 def prune(parents: tuple[int, ...], max_depth: int) -> tuple[list[int], tuple[int, ...]]:
