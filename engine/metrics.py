@@ -63,11 +63,12 @@ def draft_depth(step: Step) -> int:
 def per_position_acceptance(steps: Sequence[Step]) -> list[float]:
     """[i]: accepted at draft position i / steps that drafted position i (for a tree, position i
     is depth i + 1: accepted there when the accepted path reaches that depth)."""
-    longest = max((draft_depth(s) for s in verify_steps(steps)), default=0)
+    reached = [(draft_depth(s), s.accepted) for s in verify_steps(steps)]  # (depth drafted, accepted)
+    longest = max((d for d, _ in reached), default=0)
     rates = []
     for i in range(longest):
-        drafted = [s for s in verify_steps(steps) if draft_depth(s) > i]
-        rates.append(sum(1 for s in drafted if s.accepted > i) / len(drafted))
+        drafted = [a for d, a in reached if d > i]
+        rates.append(sum(1 for a in drafted if a > i) / len(drafted))
     return rates
 
 
