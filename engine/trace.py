@@ -121,7 +121,9 @@ class Step:
     # a tree of drafts (MTP tree drafting); all empty for a chain
     draft_parents: tuple[int, ...] = ()  # parent of each draft (-1: the last context token)
     accepted_nodes: tuple[int, ...] = ()  # indices of the accepted drafts, root to leaf
-    draft_ranks: tuple[tuple[int, ...], ...] = ()  # each draft's path of ranks in head_top
+    # each draft's path of ranks: in head_top (MTP heads), or in each node's own draft
+    # distribution (an MTP module's tree, whose distributions depend on the path: no head_top)
+    draft_ranks: tuple[tuple[int, ...], ...] = ()
     # MTP: each head's top candidates (its proposal first), per draft depth
     head_top: tuple[tuple[TopToken, ...], ...] = ()
     # each draft's EmittedToken.raw_bytes (empty for whole ones); () in traces saved before the field
@@ -319,9 +321,13 @@ def _step_problem(step: Step, position: int) -> str | None:
         return "each draft's parent must be an earlier draft or -1"
     if len(step.accepted_nodes) not in (0, step.accepted) or any(not 0 <= n < k for n in step.accepted_nodes):
         return "accepted_nodes must be accepted draft positions"
-    if step.draft_ranks and (len(step.draft_ranks) != k or any(
-            len(ranks) > len(step.head_top) or any(not 0 <= r < len(step.head_top[d]) for d, r in enumerate(ranks))
-            for ranks in step.draft_ranks)):
+    if step.draft_ranks and (len(step.draft_ranks) != k or any(not ranks or min(ranks) < 0 for ranks in step.draft_ranks)):
+        return "draft_ranks: one non-empty path of ranks >= 0 per draft"
+    if step.draft_ranks and step.draft_parents and [len(r) for r in step.draft_ranks] != depths(step.draft_parents):
+        return "draft_ranks: each path as long as its draft's depth"
+    if step.draft_ranks and step.head_top and any(  # heads: the ranks index each depth's candidates
+            len(ranks) > len(step.head_top) or any(not r < len(step.head_top[d]) for d, r in enumerate(ranks))
+            for ranks in step.draft_ranks):
         return "draft_ranks must index head_top"
     timings = (step.draft_s, step.verify_s, step.end_s)
     if any(t < 0 for t in timings):

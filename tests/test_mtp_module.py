@@ -23,7 +23,7 @@ from engine.drafters.vocab import load_vocabulary
 from engine.train.module import ModuleConfig, category, evaluate, train_module, training_vocabulary
 from engine.mtp.tree import DynamicTree, order_paths, tree_shape
 from engine.sampling import SamplingConfig
-from engine.trace import Step
+from engine.trace import RunInfo, Step, Trace, trace_from_json, trace_to_json
 from transformers import DynamicCache
 
 PROMPT = [5, 9, 14, 3, 22, 5, 9, 14, 7, 30, 31, 5, 9]
@@ -170,6 +170,10 @@ def test_module_tree_greedy_output_is_plain_greedy(target, tmp_path, tree):
     shape = tree_shape(tree)
     assert len(steps[0].draft_parents) == (shape.nodes if isinstance(shape, DynamicTree) else len(shape.paths))
     assert all(max(len(r) for r in s.draft_ranks) <= 4 for s in steps if s.k)
+    # a module tree's ranks are in each node's own distribution (no head_top): its trace loads
+    info = RunInfo("tiny", "mtp", "mtp", 4, False, 0.0, 0, 1.0, 0, 30, 0, "cpu", "float32", "", tuple(PROMPT))
+    trace = Trace(info, (), tuple(e for e in events if isinstance(e, Step)), "max_new_tokens")
+    assert trace_from_json(trace_to_json(trace)) == trace
 
 
 @torch.inference_mode()
