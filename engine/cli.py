@@ -57,6 +57,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft-model, early-exit, mtp: where the context's last N (up to --ngram-max) tokens "
                         "occurred before, draft what followed them (prompt lookup) instead of running the drafter; "
                         "0 = off; exact either way")
+    p.add_argument("--lookup-join", action="store_true",
+                   help="with --lookup-first and an mtp --tree: the lookup's drafts join the tree as one more "
+                        "branch instead of replacing it (the tree is drafted and verified every step)")
     p.add_argument("--draft-vocab", choices=vocab.CHOICES, default=vocab.TRAINED,
                    help="trained draft model / MTP drafters: score only their shipped drafting vocabulary and the "
                         "request's own tokens (trained, default) or every token (full); the output is the same")
@@ -70,7 +73,7 @@ def drafter_from_args(args: argparse.Namespace) -> DrafterSpec:
     return DrafterSpec(
         method=args.method, draft=args.draft, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         exit_layer=args.exit_layer, tree=args.tree, draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
-        lookup_first=args.lookup_first,
+        lookup_first=args.lookup_first, lookup_join=args.lookup_join,
     )
 
 

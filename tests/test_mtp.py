@@ -20,6 +20,7 @@ from engine.decoding import DecodeConfig, generate, rollback, verify
 from engine.drafters import DraftProposal, DrafterSpec, build_drafter
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.mtp import MTPHeadsDrafter
+from engine.drafters.prompt_lookup import LookupFirst
 from engine.drafters.vocab import DraftVocabulary, load_vocabulary
 from engine.errors import InputError
 from engine.models import load_model, presets
@@ -332,6 +333,24 @@ def test_trace_with_a_tree_round_trips(target):
     assert trace_from_json(trace_to_json(trace)) == trace
 
 
+def test_a_heads_tree_with_the_lookup_joined_is_exact_and_round_trips(target):
+    """Lookup drafts joined into a heads tree: the output is plain greedy, a step whose tree
+    gained nodes records no ranks (a lookup draft has none among the heads' candidates; the
+    tree view leaves the step out), the others keep theirs, and the trace loads back."""
+    drafter = LookupFirst(MTPHeadsDrafter(target, random_heads(), tree_shape("small")), 1, 3, join=True)
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
+    assert tokens_of(events) == baseline(target)
+    steps = [e for e in events if isinstance(e, Step)]
+    joined = [s for s in steps if len(s.draft_parents) > len(tree_shape("small").paths)]
+    assert joined and drafter.joined >= len(joined) and not any(s.draft_ranks for s in joined)
+    assert all(s.draft_ranks for s in steps[1:] if s not in joined and s.k)
+    from engine.trace import RunInfo, Trace
+
+    info = RunInfo("tiny", "mtp", "mtp", 4, False, 0.0, 0, 1.0, 0, 30, 0, "cpu", "float32", "", tuple(PROMPT))
+    trace = Trace(info, (), tuple(steps), "max_new_tokens")
+    assert trace_from_json(trace_to_json(trace)) == trace
+
+
 # --- native MTP layers --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -543,6 +562,8 @@ def test_shipped_weights_match_their_cards(name, kind):
 @pytest.mark.embedded
 @pytest.mark.parametrize("spec", [DrafterSpec("mtp"), DrafterSpec("mtp", tree="medium"), DrafterSpec("mtp", mtp_kind="heads"),
                                   DrafterSpec("mtp", mtp_kind="module", tree="small"), DrafterSpec("draft-model"),
+                                  DrafterSpec("mtp", mtp_kind="module", tree="dynamic-16", lookup_first=1, lookup_join=True),
+                                  DrafterSpec("mtp", tree="medium", lookup_first=1, lookup_join=True),
                                   DrafterSpec("draft-model", draft_vocab="full")])
 def test_shipped_drafters_are_exact_on_the_embedded_model(embedded, spec):
     ids = embedded.encode("Explain in two sentences why the sky is blue.")

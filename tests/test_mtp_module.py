@@ -19,6 +19,7 @@ from engine.mtp import fast, native
 from engine.mtp.module import KIND, build_module, load_module, trained_state
 from engine.mtp.weights import CARD_FILE, save_weights
 from engine.train.corpus import HELDOUT_EVERY, CorpusConfig, build_corpus, corpus_dir, drawn, load_corpus, read_split
+from engine.drafters.prompt_lookup import find_candidates
 from engine.drafters.vocab import load_vocabulary
 from engine.train.module import ModuleConfig, category, evaluate, train_module, training_vocabulary
 from engine.mtp.tree import DynamicTree, order_paths, tree_shape
@@ -174,6 +175,43 @@ def test_module_tree_greedy_output_is_plain_greedy(target, tmp_path, tree):
     info = RunInfo("tiny", "mtp", "mtp", 4, False, 0.0, 0, 1.0, 0, 30, 0, "cpu", "float32", "", tuple(PROMPT))
     trace = Trace(info, (), tuple(e for e in events if isinstance(e, Step)), "max_new_tokens")
     assert trace_from_json(trace_to_json(trace)) == trace
+
+
+@pytest.mark.parametrize("tree", ["small", "dynamic-8"])
+def test_lookup_joins_the_module_tree_as_a_branch(target, tmp_path, tree):
+    """lookup_join: every step drafts the module's whole tree, and where prompt lookup finds the
+    context's last tokens earlier, its drafts are a path from the root (through the tree's nodes
+    where they hold its tokens, new nodes after them); greedy output is plain greedy."""
+    folder = module_folder(target, tmp_path / "module")
+    spec = DrafterSpec("mtp", draft=str(folder), tree=tree, lookup_first=1, ngram_max=3, lookup_join=True)
+    drafter = build_drafter(target, spec)
+    plain = tokens_of(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, ignore_eos=True)))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), drafter))
+    assert tokens_of(events) == plain
+    shape = tree_shape(tree)
+    size = shape.nodes if isinstance(shape, DynamicTree) else len(shape.paths)
+    steps = [e for e in events if isinstance(e, Step)]
+    context, joined = list(PROMPT), 0
+    for step in steps:
+        if step.index:
+            k = min(4, 30 - (len(context) - len(PROMPT)) - 1)
+            lookup = find_candidates(context, k, 3, 1)
+            assert step.drafter == "mtp" and (k < 4 or len(step.draft_parents) >= size)  # the whole tree
+            node = -1
+            for token in lookup:  # the lookup's drafts are a path of the step's tree
+                node = next(i for i, (p, t) in enumerate(zip(step.draft_parents, step.draft_token_ids))
+                            if p == node and t == token)
+            joined += len(step.draft_parents) > size
+        context += [t.token_id for t in step.emitted]
+    assert joined >= 3 and drafter.joined >= joined and drafter.looked_up == 0
+    # the same lookups without join replace the tree on those steps
+    alone = build_drafter(target, DrafterSpec("mtp", draft=str(folder), tree=tree, lookup_first=1, ngram_max=3))
+    events = list(generate(target, PROMPT, DecodeConfig(max_new_tokens=30, k=4, ignore_eos=True), alone))
+    assert tokens_of(events) == plain and alone.looked_up > 0
+    with pytest.raises(InputError, match="lookup join needs lookup-first"):
+        DrafterSpec("mtp", tree=tree, lookup_join=True)
+    with pytest.raises(InputError, match="lookup join is for a drafter's tree"):
+        build_drafter(target, DrafterSpec("mtp", draft=str(folder), lookup_first=2, lookup_join=True))
 
 
 @torch.inference_mode()

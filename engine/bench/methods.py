@@ -9,7 +9,8 @@ vocabulary), "mtp:kind=heads" / "mtp:kind=module" (Medusa-style heads or the Dee
 module, where "mtp" takes the module for a chain when one is shipped), "mtp:stop=0.3" (also
 draft-model, early-exit: a chain ends after a draft whose own probability is below 0.3),
 "mtp:lookup=3" (also draft-model, early-exit: prompt lookup first, where the context's last 3
-tokens occurred before; the drafter elsewhere), "mtp:draft=FOLDER" (also draft-model: other trained
+tokens occurred before; the drafter elsewhere), "mtp:tree=dynamic-64:lookup=2:join=on" (the
+lookup's drafts join the module's tree as a branch instead of replacing it), "mtp:draft=FOLDER" (also draft-model: other trained
 weights than the shipped ones, say an earlier module beside a retrained one; a path without
 colons). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
@@ -57,7 +58,7 @@ class DrafterOptions:
 
 VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
             "stop": ("mtp", "draft-model", "early-exit"), "lookup": LOOKUP_DRAFTERS,
-            "draft": ("mtp", "draft-model")}  # setting -> the drafters that read it
+            "draft": ("mtp", "draft-model"), "join": ("mtp",)}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 DECODE_VARIANTS = {"k": tuple(str(k) for k in range(1, MAX_K + 1)), "fit": ("on",)}  # methods with a drafter
 
@@ -101,6 +102,10 @@ def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]
             return {"lookup_first": check_lookup(int(value))}
         except ValueError:
             raise InputError(f"method {method!r}: lookup must be an n-gram length") from None
+    if key == "join":
+        if value != "on":
+            raise InputError(f"method {method!r}: join takes on (the lookup's drafts join the tree)")
+        return {"lookup_join": True}
     if key == "draft":
         return {"draft": value}  # built (and a missing folder reported) before the run: check_buildable
     return {}  # a target variant (target_settings) or a decode variant (decode_settings)
@@ -117,6 +122,8 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
     (('mtp', {'draft_stop': 0.3}), ('mtp', {'mtp_kind': 'module', 'tree': 'dynamic-8'}))
     >>> split_method("mtp:lookup=3:stop=0.4"), split_method("mtp:draft=runs/module-a")
     (('mtp', {'lookup_first': 3, 'draft_stop': 0.4}), ('mtp', {'draft': 'runs/module-a'}))
+    >>> split_method("mtp:tree=dynamic-64:lookup=2:join=on")
+    ('mtp', {'tree': 'dynamic-64', 'lookup_first': 2, 'lookup_join': True})
     """
     name, pairs = _variants(method)
     fields: dict = {}

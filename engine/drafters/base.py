@@ -94,10 +94,17 @@ class DrafterSpec:
     # text (summaries, retrieved passages, code edits) repeats long spans a model drafter guesses
     # token by token. Exact: the drafts are one-hot, the standard acceptance rule applies.
     lookup_first: int = 0
+    # with lookup_first and a tree (mtp tree=...): the lookup's drafts join the drafter's tree as
+    # one more branch (sharing the nodes it coincides with) instead of replacing it, so a step
+    # whose lookup is wrong still has the tree's other paths, at the price of verifying the tree
+    # on copy-heavy steps too (as lookahead decoding verifies n-gram guesses beside its own)
+    lookup_join: bool = False
 
     def __post_init__(self) -> None:
         check_stop(self.draft_stop)
         check_lookup(self.lookup_first)
+        if self.lookup_join and not self.lookup_first:
+            raise InputError("lookup join needs lookup-first (the n-gram length the lookup matches)")
 
 
 def check_stop(value: float) -> float:
@@ -148,5 +155,8 @@ def build_drafter(target: LoadedModel, spec: DrafterSpec) -> Drafter | None:
     if spec.lookup_first:
         from engine.drafters.prompt_lookup import LookupFirst
 
-        drafter = LookupFirst(drafter, spec.lookup_first, max(spec.lookup_first, spec.ngram_max))
+        if spec.lookup_join and getattr(drafter, "tree", None) is None:
+            raise InputError("lookup join is for a drafter's tree (mtp with a tree shape); "
+                             "a chain's lookup replaces its drafts")
+        drafter = LookupFirst(drafter, spec.lookup_first, max(spec.lookup_first, spec.ngram_max), spec.lookup_join)
     return drafter
