@@ -360,6 +360,27 @@ def test_tiny_tree_verification_equals_decoding_each_path(tiny_inv):
     tree_matches_paths(tiny_inv, ids[:, :22], parents, ids[0, 22:30])
 
 
+@pytest.mark.parametrize("shared_context", [True, False])
+def test_tiny_tree_over_a_long_context_equals_decoding_each_path(tiny_inv, shared_context, monkeypatch):
+    """Over SPLIT_FROM keys a tree's rows read the context's keys before the split in one product
+    for them all and copy only their last keys (engine.invariant._split_at); where the probe finds
+    scores that depend on the call (forced here), each row copies all its keys. Either way every
+    row is bitwise its path's plain decoding; the rows fall in two key-count groups (576 and 640
+    keys: two split points)."""
+    from engine import invariant
+
+    if not shared_context:
+        monkeypatch.setitem(invariant._SPLIT_AGREES, tiny_inv.dtype, False)
+    copied = []
+    rows_of = invariant._rows_of
+    monkeypatch.setattr(invariant, "_rows_of", lambda x, shared, tail, width, split, slot: copied.append(
+        width - split) or rows_of(x, shared, tail, width, split, slot))
+    ids = random_ids(tiny_inv.vocab_size, 582, seed=7)
+    tree_matches_paths(tiny_inv, ids[:, :574], (-1, -1, 0, 0, 1, 2, 2, 5), ids[0, 574:582])
+    shares = shared_context and invariant._split_agrees(tiny_inv.dtype)
+    assert set(copied) == ({2 * invariant.KEY_BLOCK} if shares else {576, 640})
+
+
 def test_tree_rows_reuse_their_buffer_and_stay_exact(tiny_bf16):
     """A tree's rows are gathered into a buffer kept across layers and steps: a big tree over a
     long context first (the buffer grows and holds its keys), then smaller ones over shorter
