@@ -212,12 +212,17 @@ def _matmul_in_blocks(a: torch.Tensor, b: torch.Tensor, most: int) -> torch.Tens
 _ATTENTION_ROWS: dict[torch.dtype, int] = {}  # dtype -> _attention_block_rows
 
 
-def _attention_rows(dtype: torch.dtype) -> int:
-    if dtype not in _ATTENTION_ROWS:
+def _probed(results: dict, dtype: torch.dtype, probe):
+    """probe(dtype), run once per dtype (the first caller runs it; others wait for its result)."""
+    if dtype not in results:
         with _pack_lock:
-            if dtype not in _ATTENTION_ROWS:
-                _ATTENTION_ROWS[dtype] = _attention_block_rows(dtype)
-    return _ATTENTION_ROWS[dtype]
+            if dtype not in results:
+                results[dtype] = probe(dtype)
+    return results[dtype]
+
+
+def _attention_rows(dtype: torch.dtype) -> int:
+    return _probed(_ATTENTION_ROWS, dtype, _attention_block_rows)
 
 
 ATTENTION_CHECK_KEYS = (256, 1024, 1280, 2048)  # key counts the attention's products are checked at
@@ -258,11 +263,7 @@ _SPLIT_AGREES: dict[torch.dtype, bool] = {}  # dtype -> _split_check
 
 
 def _split_agrees(dtype: torch.dtype) -> bool:
-    if dtype not in _SPLIT_AGREES:
-        with _pack_lock:
-            if dtype not in _SPLIT_AGREES:
-                _SPLIT_AGREES[dtype] = _split_check(dtype)
-    return _SPLIT_AGREES[dtype]
+    return _probed(_SPLIT_AGREES, dtype, _split_check)
 
 
 @torch.inference_mode()
