@@ -63,6 +63,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", choices=vocab.CHOICES, default=vocab.TRAINED,
                    help="trained draft model / MTP drafters: score only their shipped drafting vocabulary and the "
                         "request's own tokens (trained, default) or every token (full); the output is the same")
+    p.add_argument("--draft-int8", choices=("on", "off"), default="on",
+                   help="a trained MTP module: drafting steps multiply by int8 copies of its 16-bit weights on a "
+                        "CPU (on, default: cheaper drafts) or by the weights themselves (off); the output is the same")
     p.add_argument(
         "--accept", choices=[r.value for r in AcceptRule], default=AcceptRule.EXACT.value,
         help="acceptance rule: exact (default) or typical (LOSSY, for teaching)",
@@ -73,7 +76,7 @@ def drafter_from_args(args: argparse.Namespace) -> DrafterSpec:
     return DrafterSpec(
         method=args.method, draft=args.draft, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         exit_layer=args.exit_layer, tree=args.tree, draft_vocab=args.draft_vocab, draft_stop=args.draft_stop,
-        lookup_first=args.lookup_first, lookup_join=args.lookup_join,
+        lookup_first=args.lookup_first, lookup_join=args.lookup_join, draft_int8=args.draft_int8 == "on",
     )
 
 

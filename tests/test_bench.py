@@ -152,6 +152,8 @@ def test_sampling_bench_has_no_identical_flags(tiny_target, sets, capsys):
     (["--methods", "mtp:kind=module:tree=bushy"], "unknown tree shape 'bushy'"),
     (["--methods", "mtp:draft=/no/such/module"], "method mtp:draft=/no/such/module:"),
     (["--methods", "prompt-lookup:draft=x"], "unknown variant 'draft=x'"),
+    (["--methods", "mtp:int8=maybe"], "int8 takes on or off"),
+    (["--methods", "draft-model:int8=off"], "unknown variant 'int8=off'"),
     (["--repeats", "0"], "repeats must be in"),
     (["--prompts", "no-such-set"], "unknown prompt set"),
     (["--k", "0"], "draft length"),

@@ -64,6 +64,7 @@ def test_human_output_streams_text_and_summary():
         (["--prompt", "hi", "--method", "prompt-lookup", "--lookup-first", "2"], "lookup-first is for drafters"),
         (["--prompt-file", "/no/such/file.txt"], "cannot read prompt file"),
         (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int"),
+        (["--prompt", "hi", "--method", "mtp", "--draft-int8", "maybe"], "invalid choice"),
     ],
 )
 def test_bad_input_exits_non_zero_with_one_line(tiny_target, args, reason):

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
+from engine.drafters.int8 import ROWS, int8_weight
 from engine.models import load_model
 from engine.mtp import fast
 from engine.mtp.module import load_module
@@ -119,8 +120,8 @@ def test_the_embedded_modules_drafts_mostly_match_forward_layers(embedded, tree)
     same tokens, or part ways at a position whose top two are within 0.05 in both paths."""
     ids = embedded.encode("Write a short poem about the sea, then explain its rhyme scheme.")
     runs = []
-    for use_fast in (True, False):
-        drafter = build_drafter(embedded, DrafterSpec("mtp", mtp_kind="module", tree=tree))
+    for use_fast in (True, False):  # (16-bit weights in both: the int8 copies are test_int8_drafting's)
+        drafter = build_drafter(embedded, DrafterSpec("mtp", mtp_kind="module", tree=tree, draft_int8=False))
         assert drafter.layers.fast is not None
         if not use_fast:
             drafter.layers.fast = None
@@ -148,3 +149,69 @@ def test_the_embedded_modules_drafts_mostly_match_forward_layers(embedded, tree)
         assert steps_same >= 0.75 * steps_total
     else:
         assert same >= 0.8 * total  # (a tree's low ranks are often near ties)
+
+
+def test_int8_weights_multiply_as_their_rounded_copies():
+    """An int8 weight's product is x times the weight rounded per row (scale = row absmax / 127,
+    kept 16-bit: every weight within a step of its row's largest / 127),
+    within 1 % of the 16-bit product; it takes only calls of at most ROWS rows in its dtype."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(96, 64, generator=gen) * torch.linspace(0.01, 1.0, 96)[:, None]).to(torch.bfloat16)
+    int8 = int8_weight(weight)
+    if int8 is None:
+        pytest.skip("this torch build has no weight-only int8 kernel")
+    rounded = int8.weight.float() * int8.scales.float()[:, None]
+    assert (rounded - weight.float()).abs().max(dim=1).values.le(weight.float().abs().amax(1) / 127).all()
+    x = torch.randn(ROWS, 64, generator=gen).to(torch.bfloat16)
+    out = int8(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (ROWS, 96)
+    assert torch.allclose(out.float(), x.float() @ rounded.T, atol=2e-2, rtol=2e-2)
+    full = x.float() @ weight.float().T
+    assert (out.float() - full).norm() <= 0.01 * full.norm()
+    assert int8.takes(x) and not int8.takes(torch.zeros(ROWS + 1, 64, dtype=torch.bfloat16))
+    assert not int8.takes(x.float())
+    assert int8_weight(weight.float()) is None  # float32 weights keep their products
+
+
+class _Counted:
+    """An Int8Weight that records the rows of every call it computes."""
+
+    def __init__(self, inner, calls: list):
+        self.inner, self.calls = inner, calls
+
+    def takes(self, x):
+        return self.inner.takes(x)
+
+    def __call__(self, x):
+        self.calls.append(x.shape[0])
+        return self.inner(x)
+
+
+@pytest.mark.embedded
+def test_int8_drafting_keeps_the_output_and_mostly_the_drafts(embedded):
+    """The shipped module drafting a k = 4 chain with int8 copies of its weights (the default) and
+    with its 16-bit weights: both outputs are plain greedy decoding, the int8 products are the
+    ones drafting ran, and most steps that start from the same context draft the same tokens (they
+    part where the module's top two are nearly tied)."""
+    ids = embedded.encode("Write a short poem about the sea, then explain its rhyme scheme.")
+    cfg = DecodeConfig(max_new_tokens=48, k=4, ignore_eos=True)
+    plain = tokens_of(generate(embedded, ids, cfg))
+    runs = []
+    for int8 in (True, False):
+        drafter = build_drafter(embedded, DrafterSpec("mtp", mtp_kind="module", draft_int8=int8))
+        layer = drafter.layers.fast.layers[0]
+        kept = (layer.gate_up.int8, layer.down.int8, drafter.layers.subset._int8)
+        assert len({w is not None for w in kept}) == 1
+        if int8 and layer.gate_up.int8 is None:
+            pytest.skip("this torch build has no weight-only int8 kernel")
+        calls = []
+        if int8:
+            layer.gate_up.int8 = _Counted(layer.gate_up.int8, calls)
+        events = list(generate(embedded, ids, cfg, drafter))
+        assert tokens_of(events) == plain
+        assert not int8 or len(calls) >= 20
+        # drafts by the context they were drafted after (the same output: the same contexts)
+        runs.append({s.kv_len_before: s.draft_token_ids for s in events if getattr(s, "draft_token_ids", ())})
+    common = runs[0].keys() & runs[1].keys()
+    assert len(common) >= 10
+    assert sum(runs[0][n] == runs[1][n] for n in common) >= 0.6 * len(common)  # (82 % on a Xeon with AMX)

@@ -10,9 +10,10 @@ module, where "mtp" takes the module for a chain when one is shipped), "mtp:stop
 draft-model, early-exit: a chain ends after a draft whose own probability is below 0.3),
 "mtp:lookup=3" (also draft-model, early-exit: prompt lookup first, where the context's last 3
 tokens occurred before; the drafter elsewhere), "mtp:tree=dynamic-64:lookup=2:join=on" (the
-lookup's drafts join the module's tree as a branch instead of replacing it), "mtp:draft=FOLDER" (also draft-model: other trained
-weights than the shipped ones, say an earlier module beside a retrained one; a path without
-colons). Two variants apply to every method and change the target, not the drafter:
+lookup's drafts join the module's tree as a branch instead of replacing it), "mtp:int8=off" (a
+trained module drafts with its 16-bit weights, not their int8 copies), "mtp:draft=FOLDER" (also
+draft-model: other trained weights than the shipped ones, say an earlier module beside a
+retrained one; a path without colons). Two variants apply to every method and change the target, not the drafter:
 "baseline:dtype=float32" (the target loaded in that dtype instead of the preset's) and
 "baseline:kernels=stock" (transformers' own SDPA attention and linears instead of the
 batch-invariant ones, engine.invariant). Two change the decoding of a method with a drafter:
@@ -58,7 +59,7 @@ class DrafterOptions:
 
 VARIANTS = {"tree": ("mtp",), "vocab": ("draft-model", "mtp"), "kind": ("mtp",),
             "stop": ("mtp", "draft-model", "early-exit"), "lookup": LOOKUP_DRAFTERS,
-            "draft": ("mtp", "draft-model"), "join": ("mtp",)}  # setting -> the drafters that read it
+            "draft": ("mtp", "draft-model"), "join": ("mtp",), "int8": ("mtp",)}  # setting -> the drafters that read it
 TARGET_VARIANTS = {"dtype": ("float32", "bfloat16", "float16"), "kernels": ("stock",)}  # any method
 DECODE_VARIANTS = {"k": tuple(str(k) for k in range(1, MAX_K + 1)), "fit": ("on",)}  # methods with a drafter
 
@@ -106,6 +107,10 @@ def _setting(method: str, key: str, value: str) -> dict[str, str | float | None]
         if value != "on":
             raise InputError(f"method {method!r}: join takes on (the lookup's drafts join the tree)")
         return {"lookup_join": True}
+    if key == "int8":
+        if value not in ("on", "off"):
+            raise InputError(f"method {method!r}: int8 takes on or off (a trained module's drafting weights)")
+        return {"draft_int8": value == "on"}
     if key == "draft":
         return {"draft": value}  # built (and a missing folder reported) before the run: check_buildable
     return {}  # a target variant (target_settings) or a decode variant (decode_settings)
@@ -124,6 +129,8 @@ def split_method(method: str) -> tuple[str, dict[str, str | None]]:
     (('mtp', {'lookup_first': 3, 'draft_stop': 0.4}), ('mtp', {'draft': 'runs/module-a'}))
     >>> split_method("mtp:tree=dynamic-64:lookup=2:join=on")
     ('mtp', {'tree': 'dynamic-64', 'lookup_first': 2, 'lookup_join': True})
+    >>> split_method("mtp:int8=off")
+    ('mtp', {'draft_int8': False})
     """
     name, pairs = _variants(method)
     fields: dict = {}

@@ -99,6 +99,11 @@ class DrafterSpec:
     # whose lookup is wrong still has the tree's other paths, at the price of verifying the tree
     # on copy-heavy steps too (as lookahead decoding verifies n-gram guesses beside its own)
     lookup_join: bool = False
+    # mtp with a trained module: a drafting step's products (the module's block and the drafting
+    # vocabulary's LM head rows) multiply by int8 copies of its 16-bit weights on a CPU
+    # (engine/drafters/int8.py): drafting steps cost less, and a draft can differ where the
+    # module's top two are nearly tied; the output never does (the target verifies every draft)
+    draft_int8: bool = True
 
     def __post_init__(self) -> None:
         check_stop(self.draft_stop)

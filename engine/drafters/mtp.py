@@ -92,8 +92,8 @@ class NativeMTPDrafter:
 
     def __init__(self, target: LoadedModel, module: torch.nn.Module | None = None,
                  vocabulary: torch.Tensor | None = None, tree: TreeShape | DynamicTree | None = None,
-                 stop: float = 0.0):
-        self.layers = NativeMTP(target, module, vocabulary)
+                 stop: float = 0.0, int8: bool = False):
+        self.layers = NativeMTP(target, module, vocabulary, int8)
         self.feature_layers = self.layers.feature_layers  # the target layers a fused module reads
         self.tree = tree
         self.stop = stop  # DrafterSpec.draft_stop
@@ -150,6 +150,6 @@ def _build(target: LoadedModel, spec: DrafterSpec):
     vocabulary = load_vocabulary(folder) if check_choice(spec.draft_vocab) == TRAINED else None
     if kind == MODULE_KIND:
         module, _ = load_module(folder, target)
-        return NativeMTPDrafter(target, module, vocabulary, tree, spec.draft_stop)
+        return NativeMTPDrafter(target, module, vocabulary, tree, spec.draft_stop, spec.draft_int8)
     heads, _ = load_heads(folder, target)
     return MTPHeadsDrafter(target, heads, tree, vocabulary)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from engine.drafters.int8 import int8_weight
 from engine.errors import InputError
 from engine.invariant import PackedWeight, product
 
@@ -35,7 +36,7 @@ class DraftVocabulary:
     `include`) only; logits come back over the full vocabulary with -inf outside the subset (so
     probabilities there are exactly 0)."""
 
-    def __init__(self, ids: torch.Tensor, lm_head: torch.nn.Module, vocab_size: int):
+    def __init__(self, ids: torch.Tensor, lm_head: torch.nn.Module, vocab_size: int, int8: bool = False):
         ids = torch.unique(ids.long())
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
             raise InputError(f"a drafting vocabulary must hold token ids in 0..{vocab_size - 1}")
@@ -46,6 +47,8 @@ class DraftVocabulary:
         self.bias = None if bias is None else bias.detach()[self.ids]
         self.vocab_size = vocab_size
         self._packed = PackedWeight()  # 16-bit CPU weights: kept in oneDNN's layout instead of reordered per call
+        # int8: a drafting step's few rows multiply by an int8 copy of the rows (engine/drafters/int8.py)
+        self._int8 = int8_weight(self.weight) if int8 and self.bias is None else None
         self._head = (weight.detach(), None if bias is None else bias.detach())
         self.member = torch.zeros(vocab_size, dtype=torch.bool)  # ids and extra ids
         self.member[ids] = True
@@ -77,7 +80,11 @@ class DraftVocabulary:
         """hidden (..., H) -> float32 logits (..., V), -inf outside the subset."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         full = torch.full((rows.shape[0], self.vocab_size), float("-inf"), device=rows.device)
-        full.index_copy_(-1, self.ids, product(rows, self.weight, self.bias, self._packed).float())
+        if self._int8 is not None and self._int8.takes(rows):
+            scored = self._int8(rows)
+        else:
+            scored = product(rows, self.weight, self.bias, self._packed)
+        full.index_copy_(-1, self.ids, scored.float())
         if self.extra_ids.numel():  # a few hundred rows, in float32 (include); drafts need no bitwise invariance
             extra = F.linear(rows.float(), self.extra_weight, self.extra_bias).to(rows.dtype)  # rounded as the head's
             full.index_copy_(-1, self.extra_ids, extra.float())

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.drafters.int8 import int8_weight
+
 MIN_ROOM = 256  # positions an Entries buffer has at least (it doubles when full)
 BLOCK_ROWS = 64  # a 16-bit product of more rows runs in blocks of this many (a oneDNN kernel is made per shape)
 LONG_ROWS = 16  # rows from which one request's attention runs through SDPA (_attend_long)
@@ -43,10 +45,12 @@ def supported(module: torch.nn.Module) -> bool:
 
 class _Linear:
     """x @ weight.T; a 16-bit CPU weight prepacked for oneDNN once (F.linear reorders it at every
-    call), where the kernel takes it."""
+    call), where the kernel takes it; with int8, calls of few rows (drafting steps) multiply by an
+    int8 copy instead (engine/drafters/int8.py)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, int8: bool = False):
         self.weight = weight.detach().contiguous()
+        self.int8 = int8_weight(self.weight) if int8 else None
         self.packed = None
         if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16):
             try:
@@ -58,6 +62,8 @@ class _Linear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and self.int8.takes(x):
+            return self.int8(x)
         if self.packed is None:
             return F.linear(x, self.weight)
         rows = x.reshape(-1, x.shape[-1])
@@ -70,19 +76,19 @@ class _Linear:
 
 
 class _Layer:
-    """One MTP layer's weights, fused and packed."""
+    """One MTP layer's weights, fused and packed (and with int8 copies, FastModule's int8)."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, int8: bool = False):
         block = layer.mtp_block
         attn, mlp = block.self_attn, block.mlp
         self.norms = {name: (norm.weight.detach(), norm.variance_epsilon) for name, norm in (
             ("enorm", layer.enorm), ("hnorm", layer.hnorm), ("input", block.input_layernorm),
             ("post_attention", block.post_attention_layernorm), ("post", layer.post_norm))}
-        self.eh = _Linear(layer.eh_proj.weight)
-        self.qkv = _Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-        self.o = _Linear(attn.o_proj.weight)
-        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        self.down = _Linear(mlp.down_proj.weight)
+        self.eh = _Linear(layer.eh_proj.weight, int8)
+        self.qkv = _Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), int8)
+        self.o = _Linear(attn.o_proj.weight, int8)
+        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), int8)
+        self.down = _Linear(mlp.down_proj.weight, int8)
         self.scaling = float(attn.scaling)
         self.intermediate = mlp.gate_proj.weight.shape[0]
 
@@ -132,11 +138,13 @@ class Entries:
 
 class FastModule:
     """The depths of an MtpModel whose layers `supported` accepts, computed directly (see the
-    module docstring). `forward_layer` mirrors MtpModel.forward_layer's arguments."""
+    module docstring). `forward_layer` mirrors MtpModel.forward_layer's arguments. int8: a 16-bit
+    module's products of few rows multiply by int8 copies of its weights (engine/drafters/int8.py):
+    faster drafting steps, hidden states off by the weights' rounding."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, int8: bool = False):
         config = module.config
-        self.layers = [_Layer(layer) for layer in module.layers]
+        self.layers = [_Layer(layer, int8) for layer in module.layers]
         self.embed = module.embed_tokens
         self.rotary = module.rotary_emb
         self.heads = int(config.num_attention_heads)

@@ -48,10 +48,12 @@ def has_mtp_layers(target: LoadedModel) -> bool:
 class NativeMTP:
     """MTP layers with per-depth caches, fed the target's hidden states: the target's own
     (module None), or a trained module (engine.mtp.module.load_module), optionally scoring only a
-    drafting vocabulary (engine/drafters/vocab.py)."""
+    drafting vocabulary (engine/drafters/vocab.py). int8: a trained module's drafting products
+    (its block in engine/mtp/fast.py, the vocabulary's head rows) by int8 copies of 16-bit CPU
+    weights (engine/drafters/int8.py)."""
 
     def __init__(self, target: LoadedModel, module: torch.nn.Module | None = None,
-                 vocabulary: torch.Tensor | None = None):
+                 vocabulary: torch.Tensor | None = None, int8: bool = False):
         if module is None:
             from transformers.modeling_layers import MtpModel
 
@@ -67,10 +69,10 @@ class NativeMTP:
         self.fusion = getattr(module, "fusion", None)
         self.feature_layers = () if self.fusion is None else self.fusion.feature_layers
         # a Llama-kind module's depths computed directly (engine/mtp/fast.py), else forward_layer
-        self.fast = fast.FastModule(module) if fast.supported(module) else None
+        self.fast = fast.FastModule(module, int8) if fast.supported(module) else None
         self.vocab = target.vocab_size
         self.subset = None if vocabulary is None else DraftVocabulary(vocabulary, target.model.get_output_embeddings(),
-                                                                      target.vocab_size)
+                                                                      target.vocab_size, int8)
         hidden_size = self.mtp_config.hidden_size
         # states[d]: h^d (rows = positions 0..) where it no longer depends on a draft; states[0]
         # holds the target's final hidden states. Each is a view of a buffer with spare room
