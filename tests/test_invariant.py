@@ -513,3 +513,32 @@ def test_a_left_padded_batch_decodes_as_each_sequence_alone(tiny_bf16):
     for p, row in zip(prompts, batched.tolist()):
         alone = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=0)
         assert row == alone[0, len(p):].tolist()
+
+
+FIRST_FORWARD_AFTER_FLOAT32 = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+torch.randn(2, 64) @ torch.randn(96, 64).T  # a float32 product (MKL) before the model's first forward
+from engine.models import load_model
+target = load_model("embedded")
+print(target.dtype, target.batch_invariant)
+"""
+
+
+@pytest.mark.embedded
+def test_a_float32_product_before_loading_does_not_fail_the_load_check():
+    """The first forward of a process that has run a float32 product does not always get the
+    bits later forwards get (a Xeon with AMX: 3 loads in 10 failed the check and fell back to
+    float32); self_check warms up first, so each of several fresh processes keeps bfloat16."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if choose_dtype("auto", "cpu")[0] is not torch.bfloat16:
+        pytest.skip("this CPU has no fast bfloat16 kernels: auto is float32 anyway")
+    root = str(Path(__file__).resolve().parents[1])
+    for _ in range(6):
+        r = subprocess.run([sys.executable, "-c", FIRST_FORWARD_AFTER_FLOAT32, root], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split()[-2:] == ["torch.bfloat16", "True"], r.stdout
