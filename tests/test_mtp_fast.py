@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from engine.decoding import DecodeConfig, generate
 from engine.drafters import DrafterSpec, build_drafter
+from engine.drafters import int8 as int8_kernel
 from engine.drafters.int8 import ROWS, int8_weight
 from engine.models import load_model
 from engine.mtp import fast
@@ -159,7 +160,7 @@ def test_int8_weights_multiply_as_their_rounded_copies():
     weight = (torch.randn(96, 64, generator=gen) * torch.linspace(0.01, 1.0, 96)[:, None]).to(torch.bfloat16)
     int8 = int8_weight(weight)
     if int8 is None:
-        pytest.skip("this torch build has no weight-only int8 kernel")
+        pytest.skip(f"this torch build has no weight-only int8 kernel ({int8_kernel.unavailable})")
     rounded = int8.weight.float() * int8.scales.float()[:, None]
     assert (rounded - weight.float()).abs().max(dim=1).values.le(weight.float().abs().amax(1) / 127).all()
     x = torch.randn(ROWS, 64, generator=gen).to(torch.bfloat16)
@@ -203,7 +204,8 @@ def test_int8_drafting_keeps_the_output_and_mostly_the_drafts(embedded):
         kept = (layer.gate_up.int8, layer.down.int8, drafter.layers.subset._int8)
         assert len({w is not None for w in kept}) == 1
         if int8 and layer.gate_up.int8 is None:
-            pytest.skip("this torch build has no weight-only int8 kernel")
+            pytest.skip(f"no int8 copies: the target is {embedded.dtype} ({embedded.dtype_reason}) or this torch "
+                        f"build has no weight-only int8 kernel ({int8_kernel.unavailable})")
         calls = []
         if int8:
             layer.gate_up.int8 = _Counted(layer.gate_up.int8, calls)

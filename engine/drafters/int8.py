@@ -49,9 +49,14 @@ def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
     (other dtypes and devices keep their products)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
         return None
+    global unavailable
     try:
         int8 = Int8Weight(weight)
         int8(torch.ones(1, weight.shape[1], dtype=weight.dtype))
-    except (RuntimeError, AttributeError):  # no weight-only int8 kernel in this build
+    except (RuntimeError, AttributeError) as err:  # no weight-only int8 kernel in this build
+        unavailable = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if str(err) else type(err).__name__
         return None
     return int8
+
+
+unavailable = ""  # why the last int8 copy was refused (int8_weight), for a message
