@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 ROWS = 2  # calls of at most this many rows take the int8 weights (a chain's drafting step: one)
+unavailable = ""  # why the last int8 copy was refused (int8_weight), for a message
 
 
 class Int8Weight:
@@ -47,9 +48,9 @@ class Int8Weight:
 def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
     """The int8 copy of a 16-bit CPU weight, or None where this build's kernel does not take it
     (other dtypes and devices keep their products)."""
+    global unavailable
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
         return None
-    global unavailable
     try:
         int8 = Int8Weight(weight)
         int8(torch.ones(1, weight.shape[1], dtype=weight.dtype))
@@ -57,6 +58,3 @@ def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
         unavailable = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if str(err) else type(err).__name__
         return None
     return int8
-
-
-unavailable = ""  # why the last int8 copy was refused (int8_weight), for a message
