@@ -98,6 +98,35 @@ def test_a_module_it_does_not_take_drafts_through_forward_layer_and_stays_exact(
             assert tokens_of(events) == plain
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fast_fusion_is_the_modules_fusion(tiny_target, tmp_path, dtype):
+    """observe's fused features (EAGLE-3) through FastFusion: the module's Fusion to float32
+    rounding, and in bfloat16 no further from the float32 truth than Fusion's own bfloat16; the
+    drafter of a fused module takes it."""
+    folder = module_folder(load_model(tiny_target, dtype="float32"), tmp_path / "module", feature_layers=(1, 3))
+    truth_module, _ = load_module(folder, load_model(tiny_target, dtype="float32"))
+    target = load_model(tiny_target, dtype=dtype)
+    module, _ = load_module(folder, target)
+    assert fast.FastFusion.takes(module.fusion)
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 5, 70):  # one row (int8 in 16-bit), a verify step's, a prompt's (blocks of 64)
+        hidden, features = torch.randn(rows, 32, generator=gen), 4 * torch.randn(rows, 64, generator=gen)
+        truth = truth_module.fusion(hidden, features)
+        theirs = module.fusion(hidden.to(target.dtype), features.to(target.dtype))
+        for int8 in (False, True):
+            mine = fast.FastFusion(module.fusion, int8)(hidden.to(target.dtype), features.to(target.dtype))
+            assert mine.dtype == theirs.dtype == target.dtype and mine.shape == (rows, 32)
+            if dtype == "float32":
+                assert torch.allclose(mine, truth, atol=1e-5, rtol=1e-5), (mine - truth).abs().max()
+            else:
+                off, their_off = (mine.float() - truth).abs(), (theirs.float() - truth).abs()
+                slack = 4.0 if int8 and rows <= ROWS else 1.25  # int8 weights round to 1/127 of a row's largest
+                assert off.max() <= slack * their_off.max() + 1e-3, (rows, int8, off.max(), their_off.max())
+    drafter = build_drafter(target, DrafterSpec("mtp", draft=str(folder)))
+    assert isinstance(drafter.layers._fuse, fast.FastFusion)
+
+
 def test_entries_grow_in_place_and_crop_from_the_end(monkeypatch):
     monkeypatch.setattr(fast, "MIN_ROOM", 4)
     entries = fast.Entries()

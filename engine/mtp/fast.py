@@ -98,6 +98,32 @@ class _Layer:
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class FastFusion:
+    """engine.mtp.module.Fusion's forward for drafting (NativeMTP.observe, after every step): the
+    feature norms as one RMSNorm over (rows, F, H), the F*H -> H projection packed once (F.linear
+    reorders a 16-bit weight at every call) and, with int8, an int8 copy for calls of few rows."""
+
+    def __init__(self, fusion: torch.nn.Module, int8: bool = False):
+        self.weights = torch.stack([n.weight.detach() for n in fusion.norms])  # (F, H)
+        self.eps = float(fusion.norms[0].variance_epsilon)
+        self.proj = _Linear(fusion.proj.weight, int8)
+
+    @staticmethod
+    def takes(fusion: torch.nn.Module | None) -> bool:
+        """Llama RMSNorms of one epsilon (what the one norm computes)."""
+        norms = getattr(fusion, "norms", None)
+        return bool(norms) and all(type(n).__name__ == "LlamaRMSNorm" for n in norms) and len(
+            {float(n.variance_epsilon) for n in norms}) == 1
+
+    def __call__(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """hidden (n, H), features (n, F * H) -> (n, H) in hidden's dtype."""
+        dtype = self.proj.weight.dtype
+        parts = features.to(dtype).view(features.shape[0], *self.weights.shape)  # (n, F, H)
+        normed = self.weights * F.rms_norm(parts.float(), (parts.shape[-1],), eps=self.eps).to(dtype)
+        fused = self.proj(normed.view(features.shape[0], -1))
+        return (hidden.to(fused.dtype) + fused).to(hidden.dtype)
+
+
 class Entries:
     """One depth's keys and values (kv_heads, n, head_dim), float32, in buffers with spare room
     that double when full; `crop` follows DynamicCache's (a negative count drops that many from

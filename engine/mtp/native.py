@@ -70,6 +70,8 @@ class NativeMTP:
         self.feature_layers = () if self.fusion is None else self.fusion.feature_layers
         # a Llama-kind module's depths computed directly (engine/mtp/fast.py), else forward_layer
         self.fast = fast.FastModule(module, int8) if fast.supported(module) else None
+        self._fuse = fast.FastFusion(self.fusion, int8) if self.fast is not None and fast.FastFusion.takes(self.fusion) \
+            else self.fusion
         self.vocab = target.vocab_size
         self.subset = None if vocabulary is None else DraftVocabulary(vocabulary, target.model.get_output_embeddings(),
                                                                       target.vocab_size, int8)
@@ -88,7 +90,7 @@ class NativeMTP:
         """hidden (n, H): the target's final hidden states; (n, (1 + F) H) with feature layers."""
         if self.fusion is not None:
             size = self.mtp_config.hidden_size
-            hidden = self.fusion(hidden[:, :size], hidden[:, size:])
+            hidden = self._fuse(hidden[:, :size], hidden[:, size:])
         self._extend(0, hidden)
         if self.subset is not None:
             self.subset.include(context)  # the request's own tokens can be drafted
