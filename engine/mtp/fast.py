@@ -93,9 +93,12 @@ class _Layer:
         self.intermediate = mlp.gate_proj.weight.shape[0]
 
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Llama's RMSNorm: normalised in float32, cast back, then scaled."""
-        weight, eps = self.norms[name]
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return _rms_norm(x, *self.norms[name])
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm over the last dimension: normalised in float32, cast back, then scaled."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class FastFusion:
@@ -119,7 +122,7 @@ class FastFusion:
         """hidden (n, H), features (n, F * H) -> (n, H) in hidden's dtype."""
         dtype = self.proj.weight.dtype
         parts = features.to(dtype).view(features.shape[0], *self.weights.shape)  # (n, F, H)
-        normed = self.weights * F.rms_norm(parts.float(), (parts.shape[-1],), eps=self.eps).to(dtype)
+        normed = _rms_norm(parts, self.weights, self.eps)
         fused = self.proj(normed.view(features.shape[0], -1))
         return (hidden.to(fused.dtype) + fused).to(hidden.dtype)
 
